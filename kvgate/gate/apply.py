@@ -1,0 +1,98 @@
+"""Runs a layer's gate and the gated attention; called by the kvgate attention dispatcher."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from kvgate.attention.gated import gated_attention
+from kvgate.models.dispatch import context
+
+
+@dataclass
+class GateRecord:
+    """What the last forward decided in one layer (read by the eviction loss and by logging)."""
+
+    gate: Tensor  # [B, H_gate, n] straight-through values (1 = keep)
+    counted: Tensor  # [B, n] bool: real tokens whose flags count (padding and non-prompt excluded)
+
+
+def valid_tokens(attention_mask: Tensor | None, b: int, n: int, device) -> Tensor:
+    """[B, n] bool real tokens, read off the diagonal of transformers' 4-D prefill mask
+    (a padding query attends to nothing, so its own diagonal entry is False)."""
+    if attention_mask is None:
+        return torch.ones(b, n, dtype=torch.bool, device=device)
+    m = attention_mask[..., -n:, -n:]
+    if m.dtype != torch.bool:
+        m = m > -1e4
+    return torch.diagonal(m[:, 0], dim1=-2, dim2=-1).expand(b, n)
+
+
+def _gate_attend_mask(valid: Tensor, prompt: Tensor | None, mode: str) -> Tensor | None:
+    """Mask of the gate's own attention [B, 1, n, n] (None = plain causal, no padding)."""
+    b, n = valid.shape
+    eye = torch.eye(n, dtype=torch.bool, device=valid.device)
+    causal = torch.ones(n, n, dtype=torch.bool, device=valid.device).tril()
+    if mode == "prompt_bidirectional" and prompt is not None:
+        # prompt rows see the whole (real) prompt and nothing after it: answer tokens never
+        # influence a prompt flag; rows after the prompt see causally (their flags are unused)
+        inside = (prompt[:, :, None] & prompt[:, None, :])
+        outside = (~prompt)[:, :, None] & causal
+        attend = (inside | outside) & valid[:, None, :]
+        return (attend | eye)[:, None]
+    if bool(valid.all()):
+        return None
+    return ((causal & valid[:, None, :]) | eye)[:, None]
+
+
+def compute_gate(module: nn.Module, hidden: Tensor, position_embeddings, valid: Tensor,
+                 prompt: Tensor | None = None) -> GateRecord:
+    """Straight-through keep flags of one layer: [B, H_gate, n], with sinks, padding and
+    (in prompt_bidirectional mode) non-prompt tokens forced to 1."""
+    gate_mod = module.kv_gate
+    cfg = gate_mod.config
+    b, n = valid.shape
+    if cfg.previous_layer and gate_mod.previous is not None:
+        prev_hidden = context(gate_mod.previous).get("hidden")
+        if prev_hidden is not None and prev_hidden.shape[:2] == hidden.shape[:2]:
+            hidden = prev_hidden
+    counted = valid.clone()
+    if cfg.mode == "prompt_bidirectional" and prompt is not None:
+        counted &= prompt
+    if module.layer_idx < cfg.ungated_layers:
+        gate = torch.ones(b, gate_mod.out_heads, n, device=hidden.device)
+        return GateRecord(gate, counted)
+    attend = _gate_attend_mask(valid, prompt, cfg.mode)
+    gate = gate_mod(hidden, position_embeddings, attend)
+    forced = ~counted
+    if cfg.sinks:
+        # the first `sinks` real tokens of each sequence (left padding shifts them)
+        rank = torch.cumsum(valid.long(), -1)
+        forced = forced | (valid & (rank <= cfg.sinks))
+    gate = torch.where(forced[:, None, :], torch.ones_like(gate), gate)
+    return GateRecord(gate, counted)
+
+
+def gated_layer_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor,
+                          attention_mask: Tensor | None, scaling: float | None = None,
+                          ctx: dict | None = None, **_: object):
+    """Gated attention for one layer; returns (output [B, n, H, d], None) like transformers'."""
+    b, _, n, _ = query.shape
+    if key.shape[2] != n:
+        # A plain cache holding earlier tokens: the gate defines eviction at prefill only, and a
+        # plain cache cannot forget, so decode runs ungated here. Gated generation uses
+        # CompressedCache with the attention_gate policy, which stores only kept entries.
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling)
+    ctx = ctx or {}
+    valid = valid_tokens(attention_mask, b, n, query.device)
+    record = compute_gate(module, ctx.get("hidden"), ctx.get("position_embeddings"), valid,
+                          module.kv_gate.prompt_mask)
+    module.kv_gate.last = record
+    allowed = None if attention_mask is None else attention_mask
+    out = gated_attention(query, key, value, record.gate, allowed, scaling=scaling,
+                          recent=module.kv_gate.config.recent)
+    return out.transpose(1, 2).contiguous(), None

@@ -1,0 +1,75 @@
+"""Typed, validated configuration of the Attention-Gate (paper symbols as field names)."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields
+from typing import Any, Literal
+
+GateMode = Literal["causal", "prompt_bidirectional"]
+GateTarget = Literal["kv", "query"]
+
+
+class ConfigError(ValueError):
+    """A configuration value is out of range or unknown; the message names the key."""
+
+
+@dataclass
+class GateConfig:
+    """Attention-Gate hyper-parameters.
+
+    Defaults follow the paper's continual pre-training setting (tau 0.5, gamma 2, alpha 5,
+    beta 0.4, h'=4). ``head_dim=None`` means "the model's head_dim".
+    """
+
+    heads: int = 4  # h': heads of the gate's own small attention
+    head_dim: int | None = None  # d'_k; None -> the model's head_dim
+    tau: float = 0.5  # keep threshold on sigmoid(score + gamma)
+    gamma: float = 2.0  # offset inside the sigmoid; > 0 starts with retention near 1
+    alpha: float = 5.0  # weight of the eviction loss
+    beta: float = 0.4  # target retention (mean keep flag); must be <= tau
+    mode: GateMode = "causal"  # gate attention: causal, or bidirectional over the prompt only
+    target: GateTarget = "kv"  # one flag per KV head (what the cache stores) or per query head
+    rope: bool = True  # apply the model's rotary positions to the gate's q'/k'
+    previous_layer: bool = False  # layer l's flags from layer l-1's input (paper ablation 4-x)
+    ungated_layers: int = 0  # the first k layers keep every token
+    sinks: int = 0  # always-kept first tokens (count as kept)
+    recent: int = 0  # always-kept last keys of every query / last prompt tokens
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        def bad(key: str, why: str) -> ConfigError:
+            return ConfigError(f"GateConfig.{key}: {why} (got {getattr(self, key)!r})")
+
+        if not isinstance(self.heads, int) or self.heads < 1:
+            raise bad("heads", "must be a positive integer")
+        if self.head_dim is not None and (not isinstance(self.head_dim, int) or self.head_dim < 1):
+            raise bad("head_dim", "must be a positive integer or null")
+        if not 0.0 < self.tau < 1.0:
+            raise bad("tau", "must lie in (0, 1)")
+        if self.gamma < 0:
+            raise bad("gamma", "must be >= 0")
+        if self.alpha < 0:
+            raise bad("alpha", "must be >= 0")
+        if not 0.0 <= self.beta <= self.tau:
+            raise bad("beta", f"must lie in [0, tau={self.tau}] (paper: beta in [0, tau])")
+        if self.mode not in ("causal", "prompt_bidirectional"):
+            raise bad("mode", "must be 'causal' or 'prompt_bidirectional'")
+        if self.target not in ("kv", "query"):
+            raise bad("target", "must be 'kv' or 'query'")
+        for key in ("ungated_layers", "sinks", "recent"):
+            value = getattr(self, key)
+            if not isinstance(value, int) or value < 0:
+                raise bad(key, "must be a non-negative integer")
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> GateConfig:
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ConfigError(f"GateConfig: unknown key(s) {unknown}; known: {sorted(known)}")
+        return cls(**data)

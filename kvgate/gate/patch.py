@@ -1,0 +1,122 @@
+"""Install Attention-Gates into a LLaMA or Mistral model without copying modeling code.
+
+``patch`` hangs an ``AttentionGate`` on every decoder layer's attention module as
+``self_attn.kv_gate`` (so its parameters are named ``...self_attn.kv_gate...``) and routes the
+model's attention through ``kvgate.models.dispatch``. The base parameters are not touched,
+also when the model is wrapped by peft.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Iterator
+
+import torch
+from torch import Tensor, nn
+
+from kvgate.gate.config import GateConfig
+from kvgate.gate.module import AttentionGate
+from kvgate.models import dispatch
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral")
+
+
+class UnsupportedModelError(ValueError):
+    """The model is not a LLaMA- or Mistral-family decoder."""
+
+
+def _base_config(model: nn.Module):
+    cfg = getattr(model, "config", None)
+    if cfg is None and hasattr(model, "get_base_model"):
+        cfg = model.get_base_model().config
+    return cfg
+
+
+def check_gateable(model: nn.Module) -> None:
+    cfg = _base_config(model)
+    model_type = getattr(cfg, "model_type", None)
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise UnsupportedModelError(
+            f"kvgate gates LLaMA- and Mistral-family models only; got model_type={model_type!r}")
+    if not dispatch.attention_modules(model):
+        raise UnsupportedModelError("no attention modules with q_proj/layer_idx found to gate")
+
+
+def patch(model: nn.Module, config: GateConfig | None = None) -> nn.Module:
+    """Install gates (fp32, Xavier-initialised) and the gated attention. Idempotent for the
+    same config; a different config replaces the gates."""
+    config = config or GateConfig()
+    config.validate()
+    check_gateable(model)
+    cfg = _base_config(model)
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    out_heads = cfg.num_key_value_heads if config.target == "kv" else cfg.num_attention_heads
+    dispatch.install(model)
+    previous = None
+    for module in dispatch.attention_modules(model):
+        existing = getattr(module, "kv_gate", None)
+        if existing is None or existing.config != config:
+            device = module.q_proj.weight.device if hasattr(module.q_proj, "weight") else None
+            gate = AttentionGate(cfg.hidden_size, out_heads, config, head_dim)
+            module.kv_gate = gate.to(device=device, dtype=torch.float32)
+        gate = module.kv_gate
+        gate.__dict__["previous"] = previous  # not a submodule: no duplicate parameters
+        gate.__dict__["prompt_mask"] = None
+        gate.__dict__["last"] = None
+        previous = module
+    return model
+
+
+def unpatch(model: nn.Module) -> nn.Module:
+    """Remove the gates and restore the original attention implementation."""
+    for module in dispatch.attention_modules(model):
+        if hasattr(module, "kv_gate"):
+            del module.kv_gate
+    dispatch.uninstall(model)
+    return model
+
+
+def gate_modules(model: nn.Module) -> list[AttentionGate]:
+    """Installed gates in layer order (empty when the model is not patched)."""
+    return [m.kv_gate for m in dispatch.attention_modules(model) if hasattr(m, "kv_gate")]
+
+
+def gate_config(model: nn.Module) -> GateConfig | None:
+    gates = gate_modules(model)
+    return gates[0].config if gates else None
+
+
+@contextmanager
+def gates_open(model: nn.Module) -> Iterator[None]:
+    """Every flag forced to 1: the model computes exactly as the unpatched base (the
+    full-cache teacher for distillation, and LoRA-only training)."""
+    gates = gate_modules(model)
+    before = [g.active for g in gates]
+    for g in gates:
+        g.active = False
+    try:
+        yield
+    finally:
+        for g, a in zip(gates, before):
+            g.active = a
+
+
+@contextmanager
+def prompt_segment(model: nn.Module, prompt_mask: Tensor | None) -> Iterator[None]:
+    """Mark the prompt ``[B, n]`` bool for ``prompt_bidirectional`` gates: they attend
+    bidirectionally over the prompt only, and tokens after it are never gated."""
+    gates = gate_modules(model)
+    for g in gates:
+        g.__dict__["prompt_mask"] = prompt_mask
+    try:
+        yield
+    finally:
+        for g in gates:
+            g.__dict__["prompt_mask"] = None
+
+
+def set_gates_trainable(model: nn.Module, trainable: bool = True) -> list[nn.Parameter]:
+    params = [p for g in gate_modules(model) for p in g.parameters()]
+    for p in params:
+        p.requires_grad_(trainable)
+    return params

@@ -1,0 +1,132 @@
+"""Gated attention (eq. 5): mask semantics, exact forward, gradient reaching evicted tokens."""
+
+import math
+
+import pytest
+import torch
+
+from kvgate.attention.gated import gated_attention, gated_attention_reference
+
+
+def _qkv(b=2, h=4, hk=2, n=23, d=8, dtype=torch.float64, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(b, h, n, d, generator=g, dtype=dtype, requires_grad=True)
+    k = torch.randn(b, hk, n, d, generator=g, dtype=dtype, requires_grad=True)
+    v = torch.randn(b, hk, n, d, generator=g, dtype=dtype, requires_grad=True)
+    return q, k, v
+
+
+def test_hand_made_mask_semantics():
+    # one head, 4 tokens, token 1 evicted: value rows are one-hot so the output shows
+    # exactly which keys each query saw (with equal scores -> uniform over visible keys)
+    n = 4
+    q = torch.zeros(1, 1, n, 4)
+    k = torch.zeros(1, 1, n, 4)
+    v = torch.eye(n).view(1, 1, n, n)
+    gate = torch.tensor([[[1.0, 0.0, 1.0, 1.0]]])
+    out = gated_attention(q, k, v, gate)[0, 0]
+    expected = torch.tensor([
+        [1, 0, 0, 0],          # query 0 sees itself
+        [1 / 2, 1 / 2, 0, 0],  # query 1 sees key 0 and itself (diagonal always visible)
+        [1 / 2, 0, 1 / 2, 0],  # evicted key 1 invisible to later queries
+        [1 / 3, 0, 1 / 3, 1 / 3],
+    ])
+    torch.testing.assert_close(out, expected)
+
+
+def test_causal_order_kept_even_when_everything_kept():
+    q, k, v = _qkv(b=1, h=1, hk=1, n=6)
+    gate = torch.ones(1, 1, 6, dtype=torch.float64)
+    out = gated_attention(q, k, v, gate)
+    ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+    torch.testing.assert_close(out, ref, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("per_query_head", [False, True])
+@pytest.mark.parametrize("recent", [0, 3])
+def test_forward_and_all_gradients_match_materialised_formula(per_query_head, recent):
+    q, k, v = _qkv()
+    b, h, n, _ = q.shape
+    hg = h if per_query_head else k.shape[1]
+    gate = (torch.rand(b, hg, n, generator=torch.Generator().manual_seed(1)) > 0.5).double()
+    gate.requires_grad_(True)
+    allowed = torch.ones(b, 1, n, n, dtype=torch.bool)
+    allowed[0, :, :, :5] = False  # left padding of sample 0
+    out = gated_attention(q, k, v, gate, allowed, recent=recent, chunk=7)
+    ref = gated_attention_reference(q, k, v, gate, allowed, recent=recent)
+    real = torch.ones(b, n, dtype=torch.bool)
+    real[0, :5] = False
+    torch.testing.assert_close(out[:, :, :][real[:, None, :, None].expand_as(out)],
+                               ref[real[:, None, :, None].expand_as(ref)], atol=1e-6, rtol=1e-5)
+    w = torch.randn_like(out) * real[:, None, :, None]
+    g1 = torch.autograd.grad((out * w).sum(), [q, k, v, gate])
+    g2 = torch.autograd.grad((ref * w).sum(), [q, k, v, gate])
+    for a, c in zip(g1, g2):
+        torch.testing.assert_close(a, c, atol=1e-5, rtol=1e-4)
+
+
+def test_spec_worked_example_gradient_to_evicted_token():
+    # one row: logits [0,0,0], g = [1, 0, 1] (last = diagonal), values [1, 5, 3], L = o
+    # dL/dg_1 = (1/2) * (5 - 2) = 1.5 (first-order effect of re-admitting the token)
+    q = torch.zeros(1, 1, 3, 1)
+    k = torch.zeros(1, 1, 3, 1)
+    v = torch.tensor([1.0, 5.0, 3.0]).view(1, 1, 3, 1)
+    gate = torch.tensor([[[1.0, 0.0, 1.0]]], requires_grad=True)
+    out = gated_attention(q, k, v, gate)
+    out[0, 0, 2, 0].backward()
+    assert out[0, 0, 2, 0].item() == pytest.approx(2.0)
+    assert gate.grad[0, 0, 1].item() == pytest.approx(1.5)
+
+
+def test_evicted_gate_gradient_matches_finite_difference_of_relaxation():
+    q, k, v = _qkv(b=1, h=2, hk=1, n=9)
+    gate = torch.ones(1, 1, 9, dtype=torch.float64)
+    gate[0, 0, [1, 4, 6]] = 0.0
+    gate.requires_grad_(True)
+    w = torch.randn(1, 2, 9, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    (gated_attention(q, k, v, gate) * w).sum().backward()
+
+    def relaxed(gv):  # multiplicative gated softmax, continuous in g
+        s = torch.matmul(q, k.transpose(-1, -2)) / math.sqrt(8)
+        causal = torch.ones(9, 9, dtype=torch.bool).tril()
+        eye = torch.eye(9, dtype=torch.bool)
+        gm = torch.where(eye, torch.ones(9, 9, dtype=torch.float64), gv[0, 0][None, :].expand(9, 9))
+        e = torch.exp(s) * gm * causal
+        return ((e / e.sum(-1, keepdim=True)) @ v * w).sum()
+
+    eps = 1e-6
+    for t in [1, 4, 6, 2]:  # evicted and kept
+        plus, minus = gate.detach().clone(), gate.detach().clone()
+        plus[0, 0, t] += eps
+        minus[0, 0, t] -= eps
+        fd = (relaxed(plus) - relaxed(minus)) / (2 * eps)
+        assert gate.grad[0, 0, t].item() == pytest.approx(fd.item(), rel=1e-4, abs=1e-6)
+    assert gate.grad[0, 0, [1, 4, 6]].abs().min() > 0
+
+
+def test_no_nan_with_extreme_scores_and_fully_evicted_rows():
+    q, k, v = _qkv(b=1, h=2, hk=2, n=12, dtype=torch.float32)
+    with torch.no_grad():
+        q.mul_(300.0)  # extreme logits
+    gate = torch.zeros(1, 2, 12, requires_grad=True)  # everything evicted: only diagonals remain
+    out = gated_attention(q, k, v, gate)
+    out.square().sum().backward()
+    assert torch.isfinite(out).all()
+    for t in (q.grad, k.grad, v.grad, gate.grad):
+        assert torch.isfinite(t).all()
+    assert gate.grad.abs().sum() > 0
+    # with every key evicted each query sees only itself: output = its own value
+    torch.testing.assert_close(out, v.detach())
+
+
+def test_gqa_flag_broadcast_to_its_query_heads():
+    q, k, v = _qkv(b=1, h=4, hk=2, n=10)
+    gate = torch.ones(1, 2, 10, dtype=torch.float64)
+    gate[0, 0, 3] = 0.0  # evict token 3 from KV head 0 only
+    out = gated_attention(q, k, v, gate)
+    per_q = gate.repeat_interleave(2, 1)  # the same decision per query head
+    torch.testing.assert_close(out, gated_attention(q, k, v, per_q))
+    full = gated_attention(q, k, v, torch.ones_like(gate))
+    # query heads 0,1 (KV head 0) change after token 3; heads 2,3 (KV head 1) do not
+    assert (out[0, :2, 4:] - full[0, :2, 4:]).abs().max() > 1e-4
+    torch.testing.assert_close(out[0, 2:], full[0, 2:])
