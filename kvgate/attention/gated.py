@@ -25,99 +25,85 @@ from torch import Tensor
 # Evicted keys that outscore every kept key would make P~ = exp(s - lse) explode; the clamp
 # bounds their gradient (1 / e^-10 ~ 2e4 times a kept entry's) while leaving forward exact.
 EXP_CLAMP = 10.0
-DEFAULT_CHUNK = 256
 
 
 def _chunk_masks(allowed: Tensor | None, rows: slice, n: int, recent: int, device) -> tuple[Tensor, Tensor]:
-    """For query rows ``rows``: (base [B?,1,r,n] allowed, ungated [1,1,r,n] always-visible)."""
+    """For query rows ``rows`` over the keys they can reach causally (0 .. rows.stop):
+    (base [B|1, 1, r, c] allowed, ungated [1, 1, r, c] always-visible: diagonal + recent)."""
+    cols = rows.stop
     qi = torch.arange(n, device=device)[rows][:, None]
-    ki = torch.arange(n, device=device)[None, :]
+    ki = torch.arange(cols, device=device)[None, :]
     causal = ki <= qi
-    base = causal[None, None] if allowed is None else (allowed[:, :, rows] & causal)
-    ungated = (qi - ki < max(recent, 1)) & causal  # diagonal (+ recent window) bypasses the gate
+    base = causal[None, None] if allowed is None else (allowed[:, :, rows, :cols] & causal)
+    ungated = (qi - ki < max(recent, 1)) & causal
     base = base | (ki == qi)  # never an empty row, also for padding queries
     return base, ungated[None, None]
 
 
-def _expand_gate(gate: Tensor, hk: int, g: int) -> Tensor:
-    """gate [B, Hg, n] with Hg in {Hk, Hk*G} -> [B, Hk, G|1, 1, n]."""
-    b, hg, n = gate.shape
-    if hg == hk:
-        return gate.view(b, hk, 1, 1, n)
-    return gate.view(b, hk, g, 1, n)
+def _keep_per_query_head(gate: Tensor, h: int) -> Tensor:
+    """gate [B, Hg, n] (Hg = H_kv or H) -> bool keep [B, H, 1, n]."""
+    keep = gate.detach() > 0.5
+    if keep.shape[1] != h:
+        keep = keep.repeat_interleave(h // keep.shape[1], dim=1)
+    return keep[:, :, None, :]
 
 
-class _GatedAttention(torch.autograd.Function):
+def _rows_per_chunk(h: int, n: int, chunk: int | None) -> int:
+    # bound each [B, H, rows, n] fp32 temporary to ~16 MB per batch element; smaller chunks
+    # also skip more of the causally unreachable upper triangle
+    return chunk or max(16, min(n, (4 << 20) // max(1, h * n)))
+
+
+def _masked_forward(q: Tensor, k: Tensor, v: Tensor, bias: Tensor, scaling: float):
+    """Masked softmax attention returning (out, row log-sum-exp) for the backward."""
+    if q.device.type == "cpu":
+        # the CPU flash kernel returns the log-sum-exp without an n x n probability tensor
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q, k, v, 0.0, False, attn_mask=bias, scale=scaling)
+    s = torch.matmul(q, k.transpose(-1, -2)).mul_(scaling).add_(bias)
+    lse = torch.logsumexp(s, -1)
+    return torch.matmul(torch.exp(s - lse[..., None]), v), lse
+
+
+class _GateGradient(torch.autograd.Function):
+    """Identity on the attention output in the forward pass; in the backward pass it adds
+    the gate's gradient ``sum_j P~_jt (dO_j . v_t - D_j)``. q, k, v and the output get their
+    own gradients from the masked attention kernel's backward, so this term costs two
+    matmuls per row chunk and no n x n tensor survives between forward and backward."""
+
     @staticmethod
-    def forward(ctx, q, k, v, gate, allowed, scaling, recent, chunk):
-        b, h, n, d = q.shape
-        hk = k.shape[1]
-        g = h // hk
-        q5 = q.view(b, hk, g, n, d)
-        k5, v5 = k[:, :, None], v[:, :, None]
-        keep = _expand_gate(gate.detach() > 0.5, hk, g)
-        out = torch.empty(b, hk, g, n, v.shape[-1], dtype=torch.float32, device=q.device)
-        lse = torch.empty(b, hk, g, n, dtype=torch.float32, device=q.device)
-        for start in range(0, n, chunk):
-            rows = slice(start, min(start + chunk, n))
-            base, ungated = _chunk_masks(allowed, rows, n, recent, q.device)
-            vis = base[:, :, None] & (ungated[:, :, None] | keep)
-            s = torch.matmul(q5[:, :, :, rows].float(), k5.float().transpose(-1, -2)) * scaling
-            s = s.masked_fill(~vis, -math.inf)
-            m = s.amax(-1, keepdim=True)
-            p = torch.exp(s - m)
-            z = p.sum(-1, keepdim=True)
-            out[:, :, :, rows] = torch.matmul(p, v5.float()) / z
-            lse[:, :, :, rows] = (m + torch.log(z)).squeeze(-1)
-        out = out.to(q.dtype)
-        ctx.save_for_backward(q, k, v, gate, allowed, out, lse)
+    def forward(ctx, out, gate, q, kr, vr, lse, allowed, scaling, recent, chunk):
+        ctx.save_for_backward(gate, q, kr, vr, out, lse, allowed)
         ctx.scaling, ctx.recent, ctx.chunk = scaling, recent, chunk
-        return out.view(b, h, n, v.shape[-1])
+        return out.view_as(out)
 
     @staticmethod
     def backward(ctx, grad_out):
-        q, k, v, gate, allowed, out, lse = ctx.saved_tensors
-        scaling, recent, chunk = ctx.scaling, ctx.recent, ctx.chunk
-        b, h, n, d = q.shape
-        hk = k.shape[1]
-        g = h // hk
-        dv_ = v.shape[-1]
-        q5 = q.view(b, hk, g, n, d).float()
-        k5, v5 = k[:, :, None].float(), v[:, :, None].float()
-        do = grad_out.reshape(b, hk, g, n, dv_).float()
-        o = out.view(b, hk, g, n, dv_).float()
-        keep = _expand_gate(gate.detach() > 0.5, hk, g)
-        delta = (do * o).sum(-1, keepdim=True)  # D_j = dO_j . o_j
-        dq = torch.zeros_like(q5)
-        dk = torch.zeros(b, hk, g, n, d, dtype=torch.float32, device=q.device)
-        dvv = torch.zeros(b, hk, g, n, dv_, dtype=torch.float32, device=q.device)
-        dgate = torch.zeros(b, hk, g, n, dtype=torch.float32, device=q.device)
-        for start in range(0, n, chunk):
-            rows = slice(start, min(start + chunk, n))
-            base, ungated = _chunk_masks(allowed, rows, n, recent, q.device)
-            base, ungated = base[:, :, None], ungated[:, :, None]
-            s = torch.matmul(q5[:, :, :, rows], k5.transpose(-1, -2)) * scaling
-            # P~ for every key the base mask allows (kept or evicted), exponent clamped
-            pt = torch.exp(torch.clamp(s - lse[:, :, :, rows, None], max=EXP_CLAMP))
-            pt = pt.masked_fill(~base, 0.0)
-            p = pt * (ungated | keep)  # the forward's probabilities
-            dp = torch.matmul(do[:, :, :, rows], v5.transpose(-1, -2))
-            resid = dp - delta[:, :, :, rows]
-            ds = p * resid
-            dq[:, :, :, rows] = torch.matmul(ds, k5) * scaling
-            dk += torch.matmul(ds.transpose(-1, -2), q5[:, :, :, rows]) * scaling
-            dvv += torch.matmul(p.transpose(-1, -2), do[:, :, :, rows])
-            dgate += (pt * resid).masked_fill(ungated, 0.0).sum(-2)
-        dk = dk.sum(2).to(k.dtype)
-        dvv = dvv.sum(2).to(v.dtype)
-        dgate = dgate.sum(2) if gate.shape[1] == hk else dgate.reshape(b, h, n)
-        return (dq.reshape(b, h, n, d).to(q.dtype), dk, dvv, dgate.to(gate.dtype),
-                None, None, None, None)
+        gate, q, kr, vr, out, lse, allowed = ctx.saved_tensors
+        b, h, n, _ = q.shape
+        do = grad_out.float()
+        delta = (do * out).sum(-1, keepdim=True)  # D_j = dO_j . o_j
+        dgate = torch.zeros(b, h, n, dtype=torch.float32, device=q.device)
+        step = _rows_per_chunk(h, n, ctx.chunk)
+        for start in range(0, n, step):
+            rows = slice(start, min(start + step, n))
+            base, ungated = _chunk_masks(allowed, rows, n, ctx.recent, q.device)
+            cols = slice(0, rows.stop)  # keys after the last row of the chunk are never seen
+            s = torch.matmul(q[:, :, rows], kr[:, :, cols].transpose(-1, -2)).mul_(ctx.scaling)
+            # P~ for every key the base mask allows, kept or evicted (exponent clamped)
+            pt = s.sub_(lse[:, :, rows, None]).clamp_(max=EXP_CLAMP).exp_()
+            pt = pt.masked_fill_(~base | ungated, 0.0)  # gated region only
+            resid = torch.matmul(do[:, :, rows], vr[:, :, cols].transpose(-1, -2))
+            dgate[..., cols] += pt.mul_(resid.sub_(delta[:, :, rows])).sum(-2)
+        hg = gate.shape[1]
+        if hg != h:
+            dgate = dgate.view(b, hg, h // hg, n).sum(2)
+        return grad_out, dgate.to(gate.dtype), None, None, None, None, None, None, None, None
 
 
 def gated_attention(q: Tensor, k: Tensor, v: Tensor, gate: Tensor, allowed: Tensor | None = None,
                     scaling: float | None = None, recent: int = 0,
-                    chunk: int = DEFAULT_CHUNK) -> Tensor:
+                    chunk: int | None = None) -> Tensor:
     """Attention where evicted keys (gate 0) are hidden from every later query.
 
     q [B, H, n, d]; k, v [B, H_kv, n, d]; gate [B, H_kv, n] (one flag per KV head, broadcast to
@@ -139,8 +125,20 @@ def gated_attention(q: Tensor, k: Tensor, v: Tensor, gate: Tensor, allowed: Tens
         if allowed.shape[1] != 1:
             raise ValueError("per-head base masks are not supported; pass [B, 1, n, n]")
         allowed = allowed[..., -n:].expand(b, 1, n, n)
-    scaling = 1.0 / math.sqrt(d) if scaling is None else scaling
-    return _GatedAttention.apply(q, k, v, gate, allowed, float(scaling), int(recent), int(chunk))
+    scaling = 1.0 / math.sqrt(d) if scaling is None else float(scaling)
+    g = h // k.shape[1]
+    kr = k.repeat_interleave(g, 1).float()
+    vr = v.repeat_interleave(g, 1).float()
+    keep = _keep_per_query_head(gate, h)
+    base, ungated = _chunk_masks(allowed, slice(0, n), n, recent, q.device)
+    vis = base & (ungated | keep)  # [B, H, n, n]
+    bias = torch.where(vis, 0.0, -math.inf)
+    del vis
+    out, lse = _masked_forward(q.float(), kr, vr, bias, scaling)
+    if gate.requires_grad and torch.is_grad_enabled():
+        out = _GateGradient.apply(out, gate, q.detach().float(), kr.detach(), vr.detach(),
+                                  lse.detach(), allowed, scaling, int(recent), chunk)
+    return out.to(q.dtype)
 
 
 def gated_attention_reference(q: Tensor, k: Tensor, v: Tensor, gate: Tensor,

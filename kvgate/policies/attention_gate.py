@@ -1,0 +1,51 @@
+"""The learned policy: keep flags from the Attention-Gates of a patched (exported) model.
+
+The gate decides per token and KV head; the budget does not enter (the eviction ratio is
+whatever the gate learned, reported as %Evict). The flags are applied *inside* the prefill as
+the paper's eq. 5 (``encode_mask``: later prompt rows see only kept entries), then the cache
+is compacted to the kept entries. Decode tokens are not gated.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from kvgate.policies.base import Budget, LayerPrompt, Policy, PolicyError
+
+
+@dataclass
+class AttentionGatePolicy(Policy):
+    name = "attention_gate"
+    encode_mask = True
+    needs_attention = False
+    decode_eviction = False
+
+    def keep(self, prompt: LayerPrompt, budget: Budget | None = None) -> Tensor:
+        """[B, H_kv, n] bool from the layer's gate (per-query-head gates: union over the
+        group, since a KV entry must stay if any query head that reads it keeps it)."""
+        from kvgate.gate.apply import compute_gate
+        from kvgate.models.dispatch import context
+
+        module = prompt.module
+        if module is None or not hasattr(module, "kv_gate"):
+            raise PolicyError("policy attention_gate needs a gated model: load an exported "
+                              "checkpoint (--checkpoint DIR) or call kvgate.patch first")
+        if prompt.hidden is None:
+            raise PolicyError("policy attention_gate needs the layer's hidden states")
+        # at prefill the whole prompt is known: a prompt_bidirectional gate sees all of it
+        record = compute_gate(module, prompt.hidden, context(module).get("position_embeddings"),
+                              prompt.valid, prompt=prompt.valid)
+        flags = record.gate.detach() > 0.5  # [B, H_gate, n]
+        hk = prompt.key.shape[1]
+        if flags.shape[1] != hk:
+            flags = flags.view(flags.shape[0], hk, -1, flags.shape[-1]).any(2)
+        recent = module.kv_gate.config.recent
+        if recent:
+            # the last `recent` prompt tokens stay: every later query would see them anyway
+            n_real = prompt.valid.sum(-1, keepdim=True)
+            rank_from_end = n_real - torch.cumsum(prompt.valid.long(), -1)
+            flags = flags | (prompt.valid & (rank_from_end < recent))[:, None, :]
+        return flags & prompt.valid[:, None, :]
