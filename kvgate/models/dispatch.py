@@ -14,7 +14,8 @@ Routing, per call:
 
 from __future__ import annotations
 
-from typing import Any
+from contextlib import contextmanager
+from typing import Any, Iterator
 
 import torch
 from torch import nn
@@ -26,6 +27,7 @@ IMPL = "kvgate"
 _HOOK_ATTR = "_kvgate_hook"
 _CTX_ATTR = "_kvgate_ctx"
 _PREV_IMPL_ATTR = "_kvgate_prev_attn_impl"
+_TAP_ATTR = "_kvgate_tap"
 
 
 def attention_modules(model: nn.Module) -> list[nn.Module]:
@@ -51,6 +53,9 @@ def kvgate_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
                      value: torch.Tensor, attention_mask: torch.Tensor | None,
                      scaling: float | None = None, dropout: float = 0.0, **kwargs):
     ctx = context(module)
+    tap = module.__dict__.get(_TAP_ATTR)
+    if tap is not None:  # observers (warm-start labels, analysis) see q/k/v, change nothing
+        tap(module, query, key, value, attention_mask, scaling, ctx)
     cache = ctx.get("cache")
     if cache is not None and getattr(cache, "handles_attention", False):
         return cache.attend(module, query, key, value, attention_mask, scaling=scaling,
@@ -77,6 +82,21 @@ def _configs(model: nn.Module) -> list[Any]:
             seen.add(id(cfg))
             out.append(cfg)
     return out
+
+
+@contextmanager
+def tapped(model: nn.Module, tap) -> Iterator[None]:
+    """Call ``tap(module, query, key, value, attention_mask, scaling, ctx)`` on every attention
+    call inside the block (post-RoPE q/k as the attention sees them)."""
+    install(model)
+    modules = attention_modules(model)
+    for m in modules:
+        m.__dict__[_TAP_ATTR] = tap
+    try:
+        yield
+    finally:
+        for m in modules:
+            m.__dict__.pop(_TAP_ATTR, None)
 
 
 def install(model: nn.Module) -> nn.Module:

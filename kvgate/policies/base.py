@@ -205,7 +205,7 @@ def check_share(policy: str, option: str, value: Any) -> None:
         raise option_error(policy, option, "a token count must be >= 0", value)
 
 
-def resolve_share(value: float | int, total: Tensor) -> Tensor:
+def resolve_share(value: float, total: Tensor) -> Tensor:
     """Tokens for a share of ``total`` ([...] long): floor(value * total) for a float,
     ``value`` for an int; clamped to ``[0, total]``."""
     if isinstance(value, float):

@@ -1,0 +1,41 @@
+"""Eviction policies: one file each, one contract (``base.Policy.keep`` -> [B, H_kv, n] mask).
+
+``get_policy("snapkv", window=32)`` builds one by name; ``list_policies()`` lists the names.
+"""
+
+from kvgate.policies.adakv import AdaKV
+from kvgate.policies.ahakv import AhaKV
+from kvgate.policies.base import Budget, LayerPrompt, Policy, PolicyError, ScoredPolicy
+from kvgate.policies.full import Full
+from kvgate.policies.h2o import H2O
+from kvgate.policies.nacl import NaCl
+from kvgate.policies.pyramidkv import PyramidKV
+from kvgate.policies.registry import POLICIES, get_policy, list_policies, policy_class
+from kvgate.policies.roco import RoCo
+from kvgate.policies.snapkv import SnapKV
+from kvgate.policies.streaming import Streaming
+from kvgate.policies.tova import TOVA
+from kvgate.policies.window import Window
+
+__all__ = [
+    "H2O",
+    "POLICIES",
+    "TOVA",
+    "AdaKV",
+    "AhaKV",
+    "Budget",
+    "Full",
+    "LayerPrompt",
+    "NaCl",
+    "Policy",
+    "PolicyError",
+    "PyramidKV",
+    "RoCo",
+    "ScoredPolicy",
+    "SnapKV",
+    "Streaming",
+    "Window",
+    "get_policy",
+    "list_policies",
+    "policy_class",
+]

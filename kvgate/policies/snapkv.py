@@ -1,0 +1,77 @@
+"""SnapKV (spec section 6): an observation window of the last ``w`` prompt rows votes.
+
+``s_j`` = the window rows' attention to key j (softmax over the whole causal row in fp32, then
+sliced), aggregated over the GQA group *before* pooling (Ada-KV / KVCache-Factory order; kvpress
+pools first), then pooled along the keys. Keep = top ``B - w`` of ``s`` outside the window +
+the window itself (the budget includes the window).
+
+Defaults follow the LongBench configuration used by the SnapKV / Ada-KV / AhaKV comparisons:
+``window=32, kernel=7, pooling="max"`` (the SnapKV code default is avg pooling, kernel 5).
+``aggregate`` sums the window rows (SnapKV) or averages them (Ada-KV, kvpress): same ranking.
+A budget smaller than the window keeps the last ``B`` tokens (the window is clipped).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from kvgate.policies.base import (
+    Budget,
+    LayerPrompt,
+    ScoredPolicy,
+    attention_sums,
+    check_choice,
+    check_int,
+    gqa_reduce,
+    last_real,
+    option_error,
+    pool1d,
+)
+
+
+@dataclass
+class SnapKV(ScoredPolicy):
+    """Window-voted, pooled attention scores; the window is always kept."""
+
+    window: int = 32
+    kernel: int = 7
+    pooling: str = "max"
+    aggregate: str = "mean"
+    gqa: str = "mean"
+
+    name = "snapkv"
+
+    def __post_init__(self) -> None:
+        check_int(self.name, "window", self.window, 1)
+        check_int(self.name, "kernel", self.kernel, 1)
+        if self.kernel % 2 == 0:
+            raise option_error(self.name, "kernel", "must be odd (same-length pooling)",
+                               self.kernel)
+        check_choice(self.name, "pooling", self.pooling, ("avg", "max"))
+        check_choice(self.name, "aggregate", self.aggregate, ("mean", "sum"))
+        check_choice(self.name, "gqa", self.gqa, ("mean", "max"))
+
+    def window_len(self, kept: Tensor) -> Tensor:
+        """Window entries inside a budget of ``kept`` per head (clipped to the budget)."""
+        return kept.clamp(max=self.window)
+
+    def scores(self, prompt: LayerPrompt, budget: Budget | None = None) -> Tensor:
+        """Pooled window votes ``[B, H_kv, n]``; window and padding columns hold 0."""
+        n = prompt.query.shape[2]
+        sums = attention_sums(prompt.query, prompt.key, prompt.valid, prompt.scaling,
+                              n - self.window)
+        if self.aggregate == "mean":
+            rows = prompt.n_real.clamp(max=self.window).clamp(min=1)
+            sums = sums / rows.view(-1, 1, 1).to(sums.dtype)
+        s = gqa_reduce(sums, prompt.key.shape[1], self.gqa)
+        window = last_real(prompt.valid, torch.full_like(prompt.n_real, self.window))
+        prefix = prompt.valid[:, None, :] & ~window
+        # pool the prefix only, so window votes never leak into their neighbours' scores
+        return pool1d(s, self.kernel, self.pooling, mask=prefix).masked_fill(~prefix, 0.0)
+
+    def forced(self, prompt: LayerPrompt, kept: Tensor) -> Tensor:
+        b, hk, n = prompt.key.shape[:3]
+        return last_real(prompt.valid, self.window_len(kept)).expand(b, hk, n)

@@ -1,0 +1,174 @@
+"""One matrix over every registered heuristic policy on random q/k/v (tie-free inputs)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from policy_testing import decode_inputs, make_prompt, sample
+
+from kvgate.policies import POLICIES, Budget, PolicyError, get_policy, list_policies
+from kvgate.policies.base import LayerPrompt
+
+# small windows so that a 24-token prompt really exercises selection
+OPTIONS = {
+    "full": {},
+    "window": {},
+    "streaming": {},
+    "h2o": {},
+    "tova": {},
+    "snapkv": {"window": 4, "kernel": 3},
+    "pyramidkv": {"window": 4, "kernel": 3},
+    "adakv": {"inner_options": {"window": 4, "kernel": 3}, "exact": True},
+    "nacl": {"proxy": 4, "sinks": 2, "protect": 2, "random_share": 0.4},
+    "roco": {"sinks": 2, "protect_last": 3, "block": 3},
+    "ahakv": {"recent": 4, "kernel": 3},
+}
+NAMES = list(POLICIES)
+DECODE = [name for name in NAMES if POLICIES[name].decode_eviction]
+
+
+def build(name: str):
+    return get_policy(name, **OPTIONS[name])
+
+
+def test_every_registered_policy_has_matrix_options():
+    assert set(OPTIONS) == set(POLICIES)
+    assert set(NAMES) <= set(list_policies())
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_defaults_construct_and_keep(name):
+    keep = get_policy(name).keep(make_prompt(lengths=(40, 33)), Budget(tokens=12))
+    assert keep.shape == (2, 2, 40) and keep.dtype == torch.bool
+
+
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("budget", [Budget(tokens=9), Budget(ratio=0.4)])
+def test_shape_padding_and_count(name, budget):
+    prompt = make_prompt()
+    policy = build(name)
+    keep = policy.keep(prompt, budget)
+    assert keep.shape == (2, 2, 24) and keep.dtype == torch.bool
+    assert not keep[~prompt.valid[:, None, :].expand_as(keep)].any(), "padding kept"
+    want = budget.per_sample(prompt.n_real)
+    counts = keep.sum(-1)
+    if name == "full":
+        assert torch.equal(counts, prompt.n_real[:, None].expand_as(counts))
+    elif name == "adakv":  # head-varying by design: the per-layer total is exact
+        assert torch.equal(counts.sum(-1), want * keep.shape[1])
+    elif name == "pyramidkv":  # the layer's own budget (layer 1 of 4: above the average)
+        layer = policy.layer_budget(prompt, want)
+        assert (layer > want).all()
+        assert torch.equal(counts, layer[:, None].expand_as(counts))
+    else:
+        assert torch.equal(counts, want[:, None].expand_as(counts))
+
+
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("budget", [Budget(ratio=1.0), Budget(tokens=500), Budget(tokens=24)])
+def test_budget_at_or_above_length_keeps_everything(name, budget):
+    prompt = make_prompt()
+    keep = build(name).keep(prompt, budget)
+    assert torch.equal(keep, prompt.valid[:, None, :].expand_as(keep))
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_left_padded_batch_equals_one_by_one(name):
+    prompt = make_prompt(lengths=(24, 17, 11))
+    policy = build(name)
+    for budget in (Budget(tokens=8), Budget(ratio=0.5)):
+        batched = policy.keep(prompt, budget)
+        for i in range(3):
+            alone = policy.keep(sample(prompt, i), budget)[0]
+            n_real = alone.shape[-1]
+            assert torch.equal(batched[i, :, -n_real:], alone), (name, budget, i)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_half_precision_inputs(name):
+    prompt = make_prompt(dtype=torch.bfloat16)
+    keep = build(name).keep(prompt, Budget(tokens=9))
+    assert keep.dtype == torch.bool
+    assert not (keep & ~prompt.valid[:, None, :]).any()
+    if name not in ("full", "pyramidkv"):
+        assert (keep.sum(-1).sum(-1) == 18).all()
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_bad_prompt_shapes_raise_policy_error(name):
+    prompt = make_prompt()
+    bad = LayerPrompt(layer_idx=0, num_layers=4, query=prompt.query[:, :3], key=prompt.key,
+                      value=prompt.value, valid=prompt.valid, scaling=prompt.scaling)
+    with pytest.raises(PolicyError):
+        build(name).keep(bad, Budget(tokens=5))
+
+
+@pytest.mark.parametrize("name", DECODE)
+@pytest.mark.parametrize("rows", [1, 3])
+def test_decode_select_invariants(name, rows):
+    policy = build(name)
+    logits, valid, positions = decode_inputs(rows=rows)
+    capacity = torch.tensor([[5, 5], [7, 30]])
+    stats = {key: torch.rand(valid.shape) for key in ("acc", "acc2", "cnt", "score")}
+    stats["lam"] = torch.ones(valid.shape)
+    new, keep = policy.decode_select(stats, logits, valid, positions, capacity)
+    assert keep.shape == valid.shape and keep.dtype == torch.bool
+    assert not (keep & ~valid).any()
+    assert torch.equal(keep.sum(-1), torch.minimum(capacity, valid.sum(-1)))
+    for value in new.values():
+        assert value.shape == valid.shape and torch.isfinite(value).all()
+
+
+@pytest.mark.parametrize("name", DECODE)
+def test_decode_init_stats_cover_the_prompt(name):
+    policy = build(name)
+    prompt = make_prompt()
+    keep = policy.keep(prompt, Budget(tokens=9))
+    stats = policy.decode_init(prompt, keep)
+    assert isinstance(stats, dict)
+    for value in stats.values():
+        assert value.shape == (2, 2, 24) and value.dtype == torch.float32
+        assert torch.isfinite(value).all()
+
+
+@pytest.mark.parametrize("name", DECODE)
+def test_decode_select_accepts_an_empty_stats_dict(name):
+    logits, valid, positions = decode_inputs()
+    _, keep = build(name).decode_select({}, logits, valid, positions, torch.full((2, 2), 4))
+    assert torch.equal(keep.sum(-1), torch.minimum(torch.full((2, 2), 4), valid.sum(-1)))
+
+
+@pytest.mark.parametrize("name", DECODE)
+def test_decode_select_rejects_mismatched_shapes(name):
+    logits, valid, positions = decode_inputs()
+    with pytest.raises(PolicyError, match="capacity"):
+        build(name).decode_select({}, logits, valid, positions, torch.full((2,), 4))
+    with pytest.raises(PolicyError, match="positions"):
+        build(name).decode_select({}, logits, valid, positions[..., :-1], torch.full((2, 2), 4))
+
+
+def test_registry_errors_name_the_problem():
+    with pytest.raises(PolicyError, match=r"unknown policy 'nope'; known: full, window"):
+        get_policy("nope")
+    with pytest.raises(PolicyError, match="no option 'windw'.*window"):
+        get_policy("snapkv", windw=3)
+    with pytest.raises(PolicyError, match="snapkv.kernel"):
+        get_policy("snapkv", kernel=4)
+    with pytest.raises(PolicyError, match="h2o.gqa"):
+        get_policy("h2o", gqa="median")
+    assert type(get_policy("SnapKV")).__name__ == "SnapKV"
+
+
+def test_attention_gate_slot_is_lazy():
+    names = list_policies()
+    assert names[:len(POLICIES)] == list(POLICIES)
+    # the learned policy appears only once its module exists; asking for it otherwise is a
+    # clean PolicyError, never an ImportError
+    if "attention_gate" not in names:
+        with pytest.raises(PolicyError, match="unknown policy 'attention_gate'"):
+            get_policy("attention_gate")
+
+
+def test_decode_policies_are_the_specified_ones():
+    assert set(DECODE) == {"window", "streaming", "h2o", "tova", "roco", "ahakv"}
+    assert POLICIES["roco"].stream_prefill and POLICIES["roco"]().block >= 1
