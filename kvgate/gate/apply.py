@@ -30,7 +30,7 @@ def valid_tokens(attention_mask: Tensor | None, b: int, n: int, device) -> Tenso
     return torch.diagonal(m[:, 0], dim1=-2, dim2=-1).expand(b, n)
 
 
-def _gate_attend_mask(valid: Tensor, prompt: Tensor | None, mode: str) -> Tensor | None:
+def gate_attend_mask(valid: Tensor, prompt: Tensor | None, mode: str) -> Tensor | None:
     """Mask of the gate's own attention [B, 1, n, n] (None = plain causal, no padding)."""
     b, n = valid.shape
     eye = torch.eye(n, dtype=torch.bool, device=valid.device)
@@ -64,7 +64,7 @@ def compute_gate(module: nn.Module, hidden: Tensor, position_embeddings, valid: 
     if module.layer_idx < cfg.ungated_layers:
         gate = torch.ones(b, gate_mod.out_heads, n, device=hidden.device)
         return GateRecord(gate, counted)
-    attend = _gate_attend_mask(valid, prompt, cfg.mode)
+    attend = gate_attend_mask(valid, prompt, cfg.mode)
     gate = gate_mod(hidden, position_embeddings, attend)
     forced = ~counted
     if cfg.sinks:

@@ -110,9 +110,9 @@ def test_prompt_bidirectional_answer_tokens_cannot_change_prompt_flags(tiny_llam
     gate0 = gate_modules(tiny_llama)[0]
     emb = tiny_llama.model.embed_tokens
     norm = tiny_llama.model.layers[0].input_layernorm
-    from kvgate.gate.apply import _gate_attend_mask
+    from kvgate.gate.apply import gate_attend_mask
 
-    attend = _gate_attend_mask(torch.ones(1, 16, dtype=torch.bool), prompt, "prompt_bidirectional")
+    attend = gate_attend_mask(torch.ones(1, 16, dtype=torch.bool), prompt, "prompt_bidirectional")
     x3 = x.clone()
     x3[0, 9] = (x[0, 9] + 3) % 128
     s1 = gate0.scores(norm(emb(x)), None, attend)
