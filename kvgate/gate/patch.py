@@ -17,12 +17,11 @@ from torch import Tensor, nn
 from kvgate.gate.config import GateConfig
 from kvgate.gate.module import AttentionGate
 from kvgate.models import dispatch
+from kvgate.models.arch import check_supported
+from kvgate.models.errors import UnsupportedArchitectureError
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral")
-
-
-class UnsupportedModelError(ValueError):
-    """The model is not a LLaMA- or Mistral-family decoder."""
+# kept as the gate package's name for the one error type the model loader also raises
+UnsupportedModelError = UnsupportedArchitectureError
 
 
 def _base_config(model: nn.Module):
@@ -33,11 +32,7 @@ def _base_config(model: nn.Module):
 
 
 def check_gateable(model: nn.Module) -> None:
-    cfg = _base_config(model)
-    model_type = getattr(cfg, "model_type", None)
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        raise UnsupportedModelError(
-            f"kvgate gates LLaMA- and Mistral-family models only; got model_type={model_type!r}")
+    check_supported(_base_config(model))
     if not dispatch.attention_modules(model):
         raise UnsupportedModelError("no attention modules with q_proj/layer_idx found to gate")
 

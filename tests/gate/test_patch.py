@@ -167,7 +167,7 @@ def test_unsupported_architecture_rejected():
     from transformers import GPT2Config, GPT2LMHeadModel
 
     model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64))
-    with pytest.raises(UnsupportedModelError, match="LLaMA- and Mistral"):
+    with pytest.raises(UnsupportedModelError, match="not supported for gating"):
         kvgate.patch(model)
 
 

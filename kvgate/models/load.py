@@ -1,0 +1,200 @@
+"""Load a base model + tokenizer from an alias, a local folder, a GGUF file or a hub id.
+
+``load_base`` accepts:
+- an embedded alias (``smollm2-135m``): the GGUF inside an installed package, converted
+  once into ``$KVGATE_CACHE/models/<alias>`` (see ``kvgate.models.gguf``);
+- a local Hugging Face folder (with ``config.json``);
+- a local ``.gguf`` file, converted once like an alias;
+- a hub id, through ``from_pretrained``. When the hub cannot be reached it falls back to
+  the local hub cache and otherwise fails in seconds, instead of retrying for minutes.
+
+Run ``python -m kvgate.models --prepare smollm2-135m`` to do the one-time conversion.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import sys
+import threading
+import urllib.error
+import urllib.request
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+
+from kvgate.models.arch import check_supported, parse_dtype
+from kvgate.models.errors import ModelLoadError
+from kvgate.models.gguf import EMBEDDED, cache_root, convert_gguf, is_converted, prepare_embedded
+
+HUB_PROBE_TIMEOUT_S = 3.0
+_OFFLINE_VALUES = {"1", "true", "yes", "on"}
+
+
+def _looks_like_path(name: str) -> bool:
+    return name.startswith(("/", "./", "../", "~")) or os.path.exists(os.path.expanduser(name))
+
+
+def _gguf_cache_dir(gguf_path: Path) -> Path:
+    # keyed by the file's identity so a replaced file is converted again
+    stat = gguf_path.stat()
+    key = hashlib.sha256(f"{gguf_path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}".encode())
+    return cache_root() / "models" / f"{gguf_path.stem}-{key.hexdigest()[:8]}"
+
+
+def resolve_model_id(name_or_path: str | os.PathLike) -> str:
+    """Stable identifier of a model source, as recorded in checkpoint metadata.
+
+    An alias maps to its converted folder, a local path to its absolute form, a hub id to itself.
+    """
+    name_or_path = os.fspath(name_or_path)
+    if name_or_path in EMBEDDED:
+        return str(prepare_embedded(name_or_path))
+    if _looks_like_path(name_or_path):
+        path = Path(name_or_path).expanduser().resolve()
+        return str(_gguf_cache_dir(path)) if path.suffix == ".gguf" else str(path)
+    return name_or_path
+
+
+def hub_offline_reason() -> str | None:
+    """Why the Hugging Face hub cannot be used now, or None if it answers.
+
+    Checks the offline switches first, then sends one HEAD request with a short timeout.
+    The request runs in a daemon thread, because DNS resolution ignores socket timeouts.
+    """
+    for var in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):
+        if os.environ.get(var, "").strip().lower() in _OFFLINE_VALUES:
+            return f"{var} is set"
+    endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co").rstrip("/")
+    outcome: list[str | None] = []
+
+    def probe() -> None:
+        try:
+            urllib.request.urlopen(urllib.request.Request(endpoint, method="HEAD"),
+                                   timeout=HUB_PROBE_TIMEOUT_S)
+            outcome.append(None)
+        except urllib.error.HTTPError:
+            outcome.append(None)  # the server answered; the status does not matter here
+        except Exception as err:  # noqa: BLE001  (any failure means "unreachable")
+            outcome.append(f"no connection to {endpoint}: {type(err).__name__}")
+
+    thread = threading.Thread(target=probe, daemon=True)
+    thread.start()
+    thread.join(HUB_PROBE_TIMEOUT_S + 0.5)
+    return outcome[0] if outcome else f"{endpoint} did not answer in {HUB_PROBE_TIMEOUT_S:.0f} s"
+
+
+def _from_folder(folder: str | Path, dtype: torch.dtype, model_kwargs: dict[str, Any],
+                 **hub_kwargs: Any) -> tuple[Any, Any]:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(folder, **hub_kwargs)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, **model_kwargs,
+                                                 **hub_kwargs)
+    return model, tokenizer
+
+
+def _from_hub(repo_id: str, dtype: torch.dtype,
+              model_kwargs: dict[str, Any]) -> tuple[Any, Any]:
+    reason = hub_offline_reason()
+    if reason is None:
+        try:
+            return _from_folder(repo_id, dtype, model_kwargs)
+        except OSError as err:
+            raise ModelLoadError(f"could not load {repo_id!r} from the hub: "
+                                 f"{str(err).splitlines()[0]}") from err
+    try:  # offline: a copy in the local hub cache still works
+        return _from_folder(repo_id, dtype, model_kwargs, local_files_only=True)
+    except OSError as err:
+        raise ModelLoadError(
+            f"cannot load {repo_id!r}: the Hugging Face hub is unreachable ({reason}) and the "
+            f"model is not in the local hub cache; download it elsewhere and pass its local "
+            f"folder (with config.json) instead, or use the embedded alias "
+            f"{', '.join(EMBEDDED)}"
+        ) from err
+
+
+def _load_any(name_or_path: str, dtype: torch.dtype,
+              model_kwargs: dict[str, Any]) -> tuple[Any, Any]:
+    if name_or_path in EMBEDDED:
+        return _from_folder(prepare_embedded(name_or_path), dtype, model_kwargs)
+    if not _looks_like_path(name_or_path):
+        return _from_hub(name_or_path, dtype, model_kwargs)
+    path = Path(name_or_path).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        folder = _gguf_cache_dir(path)
+        if not is_converted(folder):
+            convert_gguf(path, folder, name=path.stem)
+        return _from_folder(folder, dtype, model_kwargs)
+    if not path.exists():
+        raise ModelLoadError(f"model path {str(path)!r} does not exist")
+    if not (path / "config.json").is_file():
+        raise ModelLoadError(f"{str(path)!r} is not a Hugging Face model folder (no config.json)")
+    try:
+        return _from_folder(path, dtype, model_kwargs)
+    except OSError as err:
+        raise ModelLoadError(f"could not load the model folder {str(path)!r}: "
+                             f"{str(err).splitlines()[0]}") from err
+
+
+def load_base(name_or_path: str | os.PathLike, dtype: torch.dtype | str = torch.float32,
+              device: str | torch.device = "cpu",
+              require_supported: bool = True, **model_kwargs: Any) -> tuple[Any, Any]:
+    """Load a causal LM and its tokenizer, in eval mode, on ``device``.
+
+    dtype: a torch dtype or "float32"/"fp32"/"bfloat16"/"bf16"/"float16"/"fp16".
+    require_supported: refuse (``UnsupportedArchitectureError``) anything but LLaMA/Mistral,
+    checked on the config before any weights are read when the config is local.
+    model_kwargs: passed to ``from_pretrained`` (``quantization_config``,
+    ``attn_implementation``...). A quantised model is placed with ``device_map``, because
+    bitsandbytes models cannot be moved with ``.to`` after loading.
+    The tokenizer always has a pad token (the EOS token if it had none).
+    """
+    name_or_path, dtype = os.fspath(name_or_path), parse_dtype(dtype)
+    if require_supported:
+        _check_config_early(name_or_path)
+    placed = "device_map" in model_kwargs or "quantization_config" in model_kwargs
+    if placed:
+        model_kwargs.setdefault("device_map", {"": str(device)})
+    model, tokenizer = _load_any(name_or_path, dtype, model_kwargs)
+    if require_supported:
+        check_supported(model.config)
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    if not placed:
+        model = model.to(device)
+    return model.eval(), tokenizer
+
+
+def _check_config_early(name_or_path: str) -> None:
+    # a local folder's config is cheap to read: refuse a wrong family before loading weights
+    if name_or_path in EMBEDDED or not _looks_like_path(name_or_path):
+        return
+    config_file = Path(name_or_path).expanduser() / "config.json"
+    if config_file.is_file():
+        try:
+            model_type = json.loads(config_file.read_text()).get("model_type")
+        except (ValueError, AttributeError) as err:
+            raise ModelLoadError(f"{config_file} is not a valid JSON config") from err
+        check_supported(SimpleNamespace(model_type=model_type))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m kvgate.models", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--prepare", metavar="ALIAS", action="append", default=[],
+                        choices=sorted(EMBEDDED), help="convert an embedded model once")
+    args = parser.parse_args(argv)
+    if not args.prepare:
+        parser.error("nothing to do: pass --prepare ALIAS")
+    for alias in args.prepare:
+        try:
+            print(f"{alias}: {prepare_embedded(alias)}")
+        except ModelLoadError as err:
+            print(f"error: {err}", file=sys.stderr)
+            return 1
+    return 0
