@@ -18,21 +18,16 @@ import hashlib
 import json
 import os
 import sys
-import threading
-import urllib.error
-import urllib.request
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
 import torch
 
+from kvgate.hub import hub_offline_reason
 from kvgate.models.arch import check_supported, parse_dtype
 from kvgate.models.errors import ModelLoadError
 from kvgate.models.gguf import EMBEDDED, cache_root, convert_gguf, is_converted, prepare_embedded
-
-HUB_PROBE_TIMEOUT_S = 3.0
-_OFFLINE_VALUES = {"1", "true", "yes", "on"}
 
 
 def _looks_like_path(name: str) -> bool:
@@ -58,34 +53,6 @@ def resolve_model_id(name_or_path: str | os.PathLike) -> str:
         path = Path(name_or_path).expanduser().resolve()
         return str(_gguf_cache_dir(path)) if path.suffix == ".gguf" else str(path)
     return name_or_path
-
-
-def hub_offline_reason() -> str | None:
-    """Why the Hugging Face hub cannot be used now, or None if it answers.
-
-    Checks the offline switches first, then sends one HEAD request with a short timeout.
-    The request runs in a daemon thread, because DNS resolution ignores socket timeouts.
-    """
-    for var in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):
-        if os.environ.get(var, "").strip().lower() in _OFFLINE_VALUES:
-            return f"{var} is set"
-    endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co").rstrip("/")
-    outcome: list[str | None] = []
-
-    def probe() -> None:
-        try:
-            urllib.request.urlopen(urllib.request.Request(endpoint, method="HEAD"),
-                                   timeout=HUB_PROBE_TIMEOUT_S)
-            outcome.append(None)
-        except urllib.error.HTTPError:
-            outcome.append(None)  # the server answered; the status does not matter here
-        except Exception as err:  # noqa: BLE001  (any failure means "unreachable")
-            outcome.append(f"no connection to {endpoint}: {type(err).__name__}")
-
-    thread = threading.Thread(target=probe, daemon=True)
-    thread.start()
-    thread.join(HUB_PROBE_TIMEOUT_S + 0.5)
-    return outcome[0] if outcome else f"{endpoint} did not answer in {HUB_PROBE_TIMEOUT_S:.0f} s"
 
 
 def _from_folder(folder: str | Path, dtype: torch.dtype, model_kwargs: dict[str, Any],
