@@ -132,7 +132,9 @@ def test_offline_hub_id_fails_without_touching_the_network(monkeypatch):
     def no_network(*args, **kwargs):
         raise AssertionError("the hub was contacted although HF_HUB_OFFLINE is set")
 
-    monkeypatch.setattr(load_mod.urllib.request, "urlopen", no_network)
+    import kvgate.hub as hub
+
+    monkeypatch.setattr(hub.urllib.request, "urlopen", no_network)
     with pytest.raises(ModelLoadError) as info:
         load_base("kvgate-test-org/model-that-is-not-cached")
     message = _one_line(info.value)
