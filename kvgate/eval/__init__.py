@@ -1,0 +1,42 @@
+"""Evaluation harness: accuracy against eviction for every policy, long context, perplexity.
+
+- :mod:`.multiple_choice`: zero-shot multiple choice in ``masked`` or ``cache`` mode, fixed
+  or matched budgets, %Evict as spec 12.3 (iv);
+- :mod:`.masked`: the masked-mode attention (keep decisions applied as masks, one forward);
+- :mod:`.needle`: passkey retrieval (length x depth) and perplexity under eviction;
+- :mod:`.report`: resumable results JSON, markdown table, plots;
+- :mod:`.perplexity`: plain perplexity of a model over texts.
+
+Command line: ``python -m kvgate.eval {mc,matched,needle,ppl,pattern,report} ...``.
+
+Names are imported on first use, so ``import kvgate.eval.perplexity`` (used by the model
+converter) stays light.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "EvalError": "masked", "ItemScore": "masked", "MaskedScoringCache": "masked",
+    "ScoringItem": "masked", "masked_scores": "masked",
+    "MODES": "multiple_choice", "cache_scores": "multiple_choice",
+    "evaluate_matched": "multiple_choice", "evaluate_mc": "multiple_choice",
+    "matched_budgets": "multiple_choice", "mc_item": "multiple_choice",
+    "score_batch": "multiple_choice",
+    "evaluate_needle": "needle", "evaluate_ppl": "needle", "generate_greedy": "needle",
+    "make_needle": "needle", "needle_set": "needle", "ppl_items": "needle",
+    "PerplexityError": "perplexity", "perplexity": "perplexity",
+    "ResultStore": "report", "markdown_table": "report", "plot_eviction_pattern": "report",
+    "write_outputs": "report",
+}
+
+__all__ = list(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'kvgate.eval' has no attribute {name!r}")
+    return getattr(importlib.import_module(f"kvgate.eval.{module}"), name)

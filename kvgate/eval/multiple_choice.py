@@ -1,0 +1,328 @@
+"""Zero-shot multiple choice under KV eviction, in masked mode or over a compressed cache.
+
+Scoring (lm-evaluation-harness style): each choice's score is the sum of its tokens'
+log-probabilities after the context; ``acc`` takes the best sum, ``acc_norm`` the best sum
+divided by the choice's length in characters. The same continuation scorer serves the needle
+ranking and perplexity under eviction (``kvgate.eval.needle``).
+
+Modes:
+- ``masked`` (the paper's way, ``kvgate.eval.masked``): one forward per example, the keep
+  decisions applied as attention masks;
+- ``cache``: the context is prefilled into a ``CompressedCache`` (only kept entries are stored)
+  and every choice is a continuation over it. The cache serves one batch, so each choice gets
+  its own row with the context repeated (the policy sees identical rows and keeps the same).
+
+%Evict (spec 12.3 iv): ``100 x mean over examples of evicted / (L x H_kv x n_ctx)``, counted over
+every (layer, KV head, real context token); the token-weighted mean is reported next to it.
+
+Matched budgets: the reference policy (the learned gate) runs first; every heuristic then
+gets, per example, ``Budget(ratio = 1 - the reference's eviction on that example)``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+from tqdm.auto import tqdm
+
+from kvgate.data.tasks import MCExample
+from kvgate.eval.masked import (
+    EvalError,
+    ItemScore,
+    ScoringItem,
+    check_budget_ratio,
+    masked_scores,
+    model_device,
+    model_shape,
+    pad_id,
+)
+from kvgate.eval.report import ResultStore, budget_label, make_key
+from kvgate.inference import Engine
+from kvgate.policies.base import Budget, Policy
+
+MODES = ("masked", "cache")
+# policies whose keep ignores the budget: evaluated once, under the budget label "none"
+BUDGET_FREE = ("full", "attention_gate")
+
+
+def check_mode(mode: str) -> str:
+    if mode not in MODES:
+        raise EvalError(f"unknown mode {mode!r}; use one of {', '.join(MODES)}")
+    return mode
+
+
+# ---------------------------------------------------------------------------------------------
+# tokenisation
+
+
+def encode(tokenizer: Any, text: str, special: bool = False) -> list[int]:
+    """Token ids of ``text``; ``special`` adds what the tokenizer adds to a sequence (BOS)."""
+    return list(tokenizer(text, add_special_tokens=special)["input_ids"])
+
+
+def mc_item(example: MCExample, tokenizer: Any, max_length: int | None = None) -> ScoringItem:
+    """Tokenise one example the harness' way: a choice's tokens are those of
+    ``context + choice`` after the context's own tokens (so merges at the seam are honoured);
+    if the context's tokens are not a prefix of the joined text's, the choice is encoded alone.
+    ``max_length`` cuts the context from the left so the longest choice still fits."""
+    ctx = encode(tokenizer, example.context, special=True)
+    if not ctx:
+        raise EvalError(f"{example.uid}: the context encodes to no tokens and the tokenizer "
+                        "adds no BOS to predict the first choice token from")
+    choices = []
+    for choice in example.choices:
+        whole = encode(tokenizer, example.context + choice, special=True)
+        cont = whole[len(ctx):] if whole[:len(ctx)] == ctx else []
+        choices.append(tuple(cont or encode(tokenizer, choice)))
+    if max_length is not None:
+        room = max_length - max(len(c) for c in choices)
+        if room < 1:
+            raise EvalError(f"{example.uid}: a choice alone is longer than max_length={max_length}")
+        ctx = ctx[-room:]
+    return ScoringItem(example.uid, tuple(ctx), tuple(choices), example.gold,
+                       tuple(len(c) for c in example.choices))
+
+
+# ---------------------------------------------------------------------------------------------
+# cache mode
+
+
+def left_pad(seqs: Sequence[Sequence[int]], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), width), pad, dtype=torch.long)
+    mask = torch.zeros((len(seqs), width), dtype=torch.long)
+    for row, s in enumerate(seqs):
+        ids[row, width - len(s):] = torch.tensor(s)
+        mask[row, width - len(s):] = 1
+    return ids, mask
+
+
+def right_pad(seqs: Sequence[Sequence[int]], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), width), pad, dtype=torch.long)
+    mask = torch.zeros((len(seqs), width), dtype=torch.long)
+    for row, s in enumerate(seqs):
+        ids[row, : len(s)] = torch.tensor(s)
+        mask[row, : len(s)] = 1
+    return ids, mask
+
+
+@torch.no_grad()
+def cache_scores(model: nn.Module, items: Sequence[ScoringItem], policy: Policy,
+                 budget: Budget, pad: int = 0) -> list[ItemScore]:
+    """Score items over a real compressed cache: prefill every (item, choice) row's context
+    with ``policy`` at ``budget``, then feed the choice as a continuation."""
+    num_layers, kv_heads = model_shape(model)
+    device = model_device(model)
+    owner = [i for i, it in enumerate(items) for _ in it.choices]
+    ctx_ids, ctx_mask = left_pad([items[i].context for i in owner], pad)
+    cont_ids, cont_mask = right_pad([ch for it in items for ch in it.choices], pad)
+    n_real = ctx_mask.sum(-1)
+    ctx_pos = (ctx_mask.cumsum(-1) - 1).clamp(min=0)
+    cont_pos = n_real[:, None] + torch.arange(cont_ids.shape[1])
+    # the Engine's cache and positions; the prefill is run here to keep only the last logits
+    cache = Engine(model, None, policy, budget).new_cache()
+    first = model(input_ids=ctx_ids.to(device), attention_mask=ctx_mask.to(device),
+                  position_ids=ctx_pos.to(device), past_key_values=cache, use_cache=True,
+                  logits_to_keep=1).logits[:, -1:]
+    kept = sum(cache.kept_counts(layer).sum(-1) for layer in range(num_layers)).cpu()
+    rest = model(input_ids=cont_ids.to(device),
+                 attention_mask=torch.cat([ctx_mask, cont_mask], dim=1).to(device),
+                 position_ids=cont_pos.to(device), past_key_values=cache, use_cache=True).logits
+    logits = torch.cat([first, rest[:, :-1]], dim=1).float()  # [N, R, V]: predicts token r
+    tok = cont_ids.to(device)
+    logp = logits.gather(-1, tok[..., None])[..., 0] - torch.logsumexp(logits, dim=-1)
+    logp = (logp.double() * cont_mask.to(device)).sum(-1).cpu()
+    scores: dict[int, ItemScore] = {}
+    for row, i in enumerate(owner):
+        it = items[i]
+        if i not in scores:
+            n = int(n_real[row])
+            scores[i] = ItemScore(it.uid, [], [], n, int(kept[row]), num_layers * kv_heads * n)
+        scores[i].loglik.append(float(logp[row]))
+        scores[i].tokens.append(int(cont_mask[row].sum()))
+    return [scores[i] for i in range(len(items))]
+
+
+def score_batch(model: nn.Module, items: Sequence[ScoringItem], policy: Policy,
+                budgets: Sequence[Budget], mode: str, pad: int = 0) -> list[ItemScore]:
+    """Score a batch in ``mode``; ``budgets`` has one budget per item."""
+    if check_mode(mode) == "masked":
+        return masked_scores(model, items, policy, budgets, pad)[0]
+    out: list[ItemScore | None] = [None] * len(items)
+    groups: dict[Budget, list[int]] = {}
+    for i, bud in enumerate(budgets):
+        groups.setdefault(bud, []).append(i)
+    for bud, idx in groups.items():  # a compressed cache holds one budget
+        for i, s in zip(idx, cache_scores(model, [items[i] for i in idx], policy, bud, pad)):
+            out[i] = s
+    return out  # type: ignore[return-value]
+
+
+# ---------------------------------------------------------------------------------------------
+# resumable runs
+
+
+def evict_summary(records: Mapping[str, Mapping[str, Any]]) -> dict[str, float]:
+    """%Evict as the sample mean of per-example ratios, and token-weighted."""
+    recs = list(records.values())
+    if not recs:
+        return {"evict_pct": math.nan, "evict_pct_tokens": math.nan}
+    kept = sum(r["kept"] for r in recs)
+    total = sum(r["total"] for r in recs)
+    return {"evict_pct": 100.0 * sum(r["evict"] for r in recs) / len(recs),
+            "evict_pct_tokens": 100.0 * (1.0 - kept / max(total, 1))}
+
+
+def mc_summary(records: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
+    """acc / acc_norm (in %) and %Evict over the stored examples."""
+    n = len(records)
+    hits = hits_norm = 0
+    for r in records.values():
+        ll = r["ll"]
+        norm = [x / max(c, 1) for x, c in zip(ll, r["chars"])]
+        hits += int(max(range(len(ll)), key=ll.__getitem__) == r["gold"])
+        hits_norm += int(max(range(len(norm)), key=norm.__getitem__) == r["gold"])
+    acc = 100.0 * hits / n if n else math.nan
+    acc_norm = 100.0 * hits_norm / n if n else math.nan
+    return {"n": n, "acc": acc, "acc_norm": acc_norm, **evict_summary(records)}
+
+
+def score_record(item: ScoringItem, score: ItemScore, budget: Budget | None) -> dict[str, Any]:
+    return {"ll": score.loglik, "tokens": score.tokens, "gold": item.gold,
+            "chars": list(item.choice_chars or score.tokens), "n_ctx": score.n_ctx,
+            "kept": score.kept, "total": score.total, "evict": score.evict,
+            "budget": None if budget is None else (budget.ratio if budget.ratio is not None
+                                                   else budget.tokens)}
+
+
+def run_resumable(store: ResultStore, key: str, items: Sequence[Any],
+                  score: Callable[[list[Any]], list[dict[str, Any]]],
+                  summarise: Callable[[Mapping[str, Any]], dict[str, Any]],
+                  extra: Mapping[str, Any] | None = None, batch_size: int = 8,
+                  progress: bool = True) -> dict[str, Any]:
+    """Score ``items`` (each with a ``uid``) under one key, skipping what is stored.
+
+    ``score(batch)`` returns one record per item. Items go longest first (an out-of-memory
+    shows at once, not at the end); the store is updated after every batch.
+    """
+    if store.is_complete(key):
+        return store.results[key]
+    extra = dict(extra or {})
+    done = store.examples(key)
+    todo = sorted((it for it in items if it.uid not in done), key=lambda it: -item_size(it))
+    batches = [todo[i: i + batch_size] for i in range(0, len(todo), max(1, batch_size))]
+    for batch in tqdm(batches, desc=key, disable=not progress, leave=False):
+        for it, rec in zip(batch, score(batch)):
+            done[it.uid] = rec
+        store.put(key, {**extra, **summarise(done)}, done, complete=False)
+    wanted = {it.uid for it in items}
+    final = {uid: r for uid, r in done.items() if uid in wanted}
+    store.put(key, {**extra, **summarise(final)}, final, complete=True)
+    return store.results[key]
+
+
+def item_size(item: Any) -> int:
+    """Tokens a scoring item puts through the model (its batching cost)."""
+    if isinstance(item, ScoringItem):
+        return len(item.context) + sum(map(len, item.choices))
+    return len(getattr(item, "ids", ()))
+
+
+def run_items(model: nn.Module, items: Sequence[ScoringItem], policy: Policy,
+              budget_of: Callable[[str], Budget], mode: str, store: ResultStore, key: str,
+              summarise: Callable[[Mapping[str, Any]], dict[str, Any]],
+              extra: Mapping[str, Any] | None = None, batch_size: int = 8, pad: int = 0,
+              progress: bool = True, record_budget: bool = True) -> dict[str, Any]:
+    """Continuation scoring of ``items`` under one key (resumable); ``budget_of(uid)`` gives
+    each item's budget. Returns the stored record."""
+    check_mode(mode)
+
+    def score(batch: list[ScoringItem]) -> list[dict[str, Any]]:
+        budgets = [budget_of(it.uid) for it in batch]
+        scores = score_batch(model, batch, policy, budgets, mode, pad)
+        return [score_record(it, s, b if record_budget else None)
+                for it, b, s in zip(batch, budgets, scores)]
+
+    return run_resumable(store, key, items, score, summarise, extra, batch_size, progress)
+
+
+# ---------------------------------------------------------------------------------------------
+# multiple-choice runs
+
+
+def tokenize_tasks(tasks: Mapping[str, Sequence[MCExample]], tokenizer: Any,
+                   max_length: int | None = None) -> dict[str, list[ScoringItem]]:
+    return {task: [mc_item(ex, tokenizer, max_length) for ex in examples]
+            for task, examples in tasks.items()}
+
+
+def evaluate_mc(model: nn.Module, tokenizer: Any, tasks: Mapping[str, Sequence[MCExample]],
+                policies: Mapping[str, Policy], budgets: Sequence[Budget], mode: str,
+                store: ResultStore, batch_size: int = 8, max_length: int | None = None,
+                progress: bool = True) -> list[str]:
+    """Every (task, policy, budget) at fixed budgets; returns the result keys.
+
+    Budget-free policies (``full``, ``attention_gate``) run once under the label ``none``.
+    """
+    check_mode(mode)
+    items = tokenize_tasks(tasks, tokenizer, max_length)
+    pad = pad_id(tokenizer)
+    keys = []
+    for task, task_items in items.items():
+        for name, policy in policies.items():
+            buds: Sequence[Budget | None] = [None] if policy.name in BUDGET_FREE else budgets
+            for bud in buds:
+                key = make_key("mc", task, name, budget_label(bud), mode)
+                fixed = bud or Budget(ratio=1.0)
+                run_items(model, task_items, policy, lambda _uid, b=fixed: b, mode, store, key,
+                          mc_summary, batch_size=batch_size, pad=pad, progress=progress,
+                          record_budget=bud is not None)
+                keys.append(key)
+    return keys
+
+
+def matched_budgets(reference: Mapping[str, Any]) -> dict[str, Budget]:
+    """Per-example budgets from a reference run's record: keep ``1 - evict`` of the context."""
+    examples = reference.get("examples", {})
+    if not examples:
+        raise EvalError(f"reference run {reference.get('policy')!r} has no examples to match")
+    return {uid: check_budget_ratio(1.0 - float(r["evict"])) for uid, r in examples.items()}
+
+
+def evaluate_matched(model: nn.Module, tokenizer: Any, tasks: Mapping[str, Sequence[MCExample]],
+                     policies: Mapping[str, Policy], reference: Policy, mode: str,
+                     store: ResultStore, reference_name: str | None = None,
+                     reference_budget: Budget | None = None, batch_size: int = 8,
+                     max_length: int | None = None, progress: bool = True) -> list[str]:
+    """Run ``reference`` (the learned gate; a heuristic at ``reference_budget`` works too),
+    then every other policy at the reference's per-example eviction ratio (budget label
+    ``matched-<reference key's policy>@<its budget>``); returns the keys."""
+    check_mode(mode)
+    ref_name = reference_name or reference.name
+    ref_budget = None if reference.name in BUDGET_FREE else (reference_budget or Budget(ratio=0.5))
+    ref_label = budget_label(ref_budget)
+    items = tokenize_tasks(tasks, tokenizer, max_length)
+    pad = pad_id(tokenizer)
+    keys = []
+    for task, task_items in items.items():
+        ref_key = make_key("mc", task, ref_name, ref_label, mode)
+        fixed = ref_budget or Budget(ratio=1.0)
+        record = run_items(model, task_items, reference, lambda _uid, b=fixed: b, mode, store,
+                           ref_key, mc_summary, batch_size=batch_size, pad=pad,
+                           progress=progress, record_budget=ref_budget is not None)
+        keys.append(ref_key)
+        per_example = matched_budgets(record)
+        label = f"matched-{ref_name}" + ("" if ref_budget is None else f"@{ref_label}")
+        for name, policy in policies.items():
+            if name == ref_name:
+                continue
+            key = make_key("mc", task, name, label, mode)
+            run_items(model, task_items, policy, per_example.__getitem__, mode, store, key,
+                      mc_summary, batch_size=batch_size, pad=pad, progress=progress)
+            keys.append(key)
+    return keys

@@ -1,0 +1,268 @@
+"""Evaluation outputs: a resumable JSON of every number, a markdown table and PNG plots.
+
+``results.json`` layout::
+
+    {"meta": {"model": ..., ...},
+     "results": {KEY: {"kind": "mc"|"needle"|"ppl", "complete": bool, <summary numbers>,
+                       "examples": {uid: {<per-example numbers>}}}}}
+
+A KEY names one (kind, task, policy, budget, mode) run, e.g. ``mc|rte|snapkv|0.5|masked``.
+The file is rewritten atomically after every batch (at most every ``flush_s`` seconds) and
+when a key completes, so an interrupted run keeps its finished keys *and* the examples of the
+key it was in; a second run skips complete keys and finished examples.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import defaultdict
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+from kvgate.data.cache import read_json, write_json_atomic
+from kvgate.eval.masked import EvalError
+from kvgate.policies.base import Budget
+
+RESULTS = "results.json"
+TABLE = "results.md"
+
+
+def budget_label(budget: Budget | None) -> str:
+    """``0.5`` for a ratio, ``128t`` for tokens, ``none`` when the policy ignores budgets."""
+    if budget is None:
+        return "none"
+    return f"{budget.ratio:g}" if budget.ratio is not None else f"{budget.tokens}t"
+
+
+def make_key(kind: str, task: str, policy: str, budget: str, mode: str) -> str:
+    return f"{kind}|{task}|{policy}|{budget}|{mode}"
+
+
+def split_key(key: str) -> dict[str, str]:
+    kind, task, policy, budget, mode = key.split("|")
+    return {"kind": kind, "task": task, "policy": policy, "budget": budget, "mode": mode}
+
+
+class ResultStore:
+    """The results JSON of one output folder (see the module docstring).
+
+    ``meta`` identifies what produced the numbers (model, checkpoint); a folder holding
+    results of a different model is refused, so numbers never mix.
+    """
+
+    def __init__(self, out_dir: str | Path, meta: dict[str, Any], flush_s: float = 30.0) -> None:
+        self.dir = Path(out_dir)
+        self.path = self.dir / RESULTS
+        self.flush_s = flush_s
+        self._last = -math.inf  # the first partial state is written at once
+        data = read_json(self.path) if self.path.exists() else None
+        if self.path.exists() and data is None:
+            raise EvalError(f"{self.path} exists but is not readable JSON; move it away")
+        data = data or {"meta": dict(meta), "results": {}}
+        old = data.get("meta", {})
+        for field in ("model", "checkpoint"):
+            if old.get(field) != meta.get(field):
+                raise EvalError(f"{self.path} holds results of {field} {old.get(field)!r}, not "
+                                f"{meta.get(field)!r}; use another --out folder")
+        self.data = data
+
+    @property
+    def results(self) -> dict[str, dict[str, Any]]:
+        return self.data["results"]
+
+    def is_complete(self, key: str) -> bool:
+        return bool(self.results.get(key, {}).get("complete"))
+
+    def examples(self, key: str) -> dict[str, Any]:
+        """Per-example records already stored under ``key`` (a copy)."""
+        return dict(self.results.get(key, {}).get("examples", {}))
+
+    def put(self, key: str, summary: dict[str, Any], examples: dict[str, Any],
+            complete: bool) -> None:
+        """Store a key's state; written now when complete, else at most every ``flush_s``."""
+        self.results[key] = {**split_key(key), **summary, "complete": complete,
+                             "examples": examples}
+        if complete or time.monotonic() - self._last >= self.flush_s:
+            self.save()
+
+    def save(self) -> None:
+        write_json_atomic(self.path, self.data)
+        self._last = time.monotonic()
+
+    def complete_results(self, kind: str | None = None) -> list[dict[str, Any]]:
+        return [r for r in self.results.values()
+                if r.get("complete") and (kind is None or r.get("kind") == kind)]
+
+
+# ---------------------------------------------------------------------------------------------
+# summaries
+
+
+def _fmt(value: Any, digits: int = 2) -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "-"
+    return f"{value:.{digits}f}" if isinstance(value, float) else str(value)
+
+
+def markdown_table(results: Iterable[dict[str, Any]]) -> str:
+    """One markdown table per result kind, every complete key a row."""
+    by_kind: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    for r in results:
+        by_kind[r["kind"]].append(r)
+    cols = {
+        "mc": [("task", "task"), ("policy", "policy"), ("budget", "budget"), ("mode", "mode"),
+               ("n", "n"), ("acc", "acc %"), ("acc_norm", "acc_norm %"),
+               ("evict_pct", "%Evict"), ("evict_pct_tokens", "%Evict (token-weighted)")],
+        "needle": [("task", "length|depth"), ("policy", "policy"), ("budget", "budget"),
+                   ("mode", "mode"), ("n", "n"), ("acc", "acc %"), ("evict_pct", "%Evict")],
+        "ppl": [("task", "corpus"), ("policy", "policy"), ("budget", "budget"),
+                ("mode", "mode"), ("n", "n"), ("tokens", "scored tokens"), ("ppl", "ppl"),
+                ("evict_pct", "%Evict")],
+    }
+    parts = []
+    for kind in ("mc", "needle", "ppl"):
+        rows = sorted(by_kind.get(kind, []), key=lambda r: (r["task"], r["policy"], r["budget"],
+                                                            r["mode"]))
+        if not rows:
+            continue
+        spec = cols[kind]
+        lines = [f"### {kind}", "", "| " + " | ".join(h for _, h in spec) + " |",
+                 "|" + "---|" * len(spec)]
+        for r in rows:
+            lines.append("| " + " | ".join(_fmt(r.get(k)) for k, _ in spec) + " |")
+        parts.append("\n".join(lines))
+    return "\n\n".join(parts) + "\n"
+
+
+def write_table(store: ResultStore) -> Path:
+    path = store.dir / TABLE
+    path.write_text(markdown_table(store.complete_results()), encoding="utf-8")
+    return path
+
+
+# ---------------------------------------------------------------------------------------------
+# plots (matplotlib, Agg backend: no display needed)
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot_accuracy_vs_eviction(results: Sequence[dict[str, Any]], path: str | Path) -> Path | None:
+    """Accuracy against %Evict, one panel per task (plus the task mean), one series per
+    policy (points joined in eviction order). None when there is nothing to plot."""
+    mc = [r for r in results if r.get("kind") == "mc" and r.get("acc") is not None]
+    if not mc:
+        return None
+    plt = _pyplot()
+    tasks = sorted({r["task"] for r in mc})
+    panels = tasks + (["mean"] if len(tasks) > 1 else [])
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.6), squeeze=False)
+    for ax, task in zip(axes[0], panels):
+        if task == "mean":
+            groups: dict[tuple[str, str, str], list[dict[str, Any]]] = defaultdict(list)
+            for r in mc:
+                groups[(r["policy"], r["budget"], r["mode"])].append(r)
+            rows = [{"policy": p, "acc": sum(x["acc"] for x in g) / len(g),
+                     "evict_pct": sum(x["evict_pct"] for x in g) / len(g)}
+                    for (p, _, _), g in groups.items() if len(g) == len(tasks)]
+        else:
+            rows = [r for r in mc if r["task"] == task]
+        for policy in sorted({r["policy"] for r in rows}):
+            pts = sorted((r["evict_pct"], r["acc"]) for r in rows if r["policy"] == policy)
+            line = ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=policy)
+            if policy == "full":  # the no-eviction reference, drawn across the whole range
+                ax.axhline(pts[0][1], color=line[0].get_color(), linestyle="--", linewidth=0.8)
+        ax.set_title(task)
+        ax.set_xlabel("%Evict")
+        ax.set_ylabel("accuracy %")
+        ax.grid(alpha=0.3)
+    axes[0][-1].legend(fontsize=7, loc="best")
+    fig.tight_layout()
+    path = Path(path)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def plot_needle_heatmaps(results: Sequence[dict[str, Any]], out_dir: str | Path) -> list[Path]:
+    """One heatmap (context length x needle depth -> accuracy) per (policy, budget, mode)."""
+    needle = [r for r in results if r.get("kind") == "needle" and r.get("acc") is not None]
+    groups: dict[tuple[str, str, str], list[dict[str, Any]]] = defaultdict(list)
+    for r in needle:
+        groups[(r["policy"], r["budget"], r["mode"])].append(r)
+    if not groups:
+        return []
+    plt = _pyplot()
+    paths = []
+    for (policy, budget, mode), rows in sorted(groups.items()):
+        lengths = sorted({int(r["length"]) for r in rows})
+        depths = sorted({float(r["depth"]) for r in rows})
+        grid = [[math.nan] * len(depths) for _ in lengths]
+        for r in rows:
+            grid[lengths.index(int(r["length"]))][depths.index(float(r["depth"]))] = r["acc"]
+        fig, ax = plt.subplots(figsize=(1.0 + 0.7 * len(depths), 1.2 + 0.5 * len(lengths)))
+        im = ax.imshow(grid, vmin=0, vmax=100, cmap="RdYlGn", aspect="auto", origin="lower")
+        ax.set_xticks(range(len(depths)), [f"{d:g}" for d in depths])
+        ax.set_yticks(range(len(lengths)), [str(n) for n in lengths])
+        ax.set_xlabel("needle depth %")
+        ax.set_ylabel("context tokens")
+        ax.set_title(f"{policy} ({budget}, {mode})", fontsize=9)
+        fig.colorbar(im, ax=ax, label="accuracy %")
+        fig.tight_layout()
+        path = Path(out_dir) / f"needle_{policy}_{budget}_{mode}.png".replace("/", "_")
+        fig.savefig(path, dpi=120)
+        plt.close(fig)
+        paths.append(path)
+    return paths
+
+
+def plot_eviction_pattern(keep: Any, path: str | Path, title: str = "",
+                          tokens: Sequence[str] | None = None) -> Path:
+    """Which (layer, token) entries a policy kept, one panel per KV head (like Figure 1 of
+    the Attention-Gate paper). ``keep``: [L, H_kv, n] bool (tensor or nested lists)."""
+    import numpy as np
+
+    keep = np.asarray(keep.cpu() if hasattr(keep, "cpu") else keep, dtype=float)
+    if keep.ndim != 3:
+        raise EvalError(f"eviction pattern must be [layers, kv_heads, tokens], got {keep.shape}")
+    plt = _pyplot()
+    layers, heads, n = keep.shape
+    fig, axes = plt.subplots(heads, 1, figsize=(min(18, 2 + 0.12 * n), 0.6 + 0.25 * layers * heads
+                                                 + 0.4 * heads), squeeze=False)
+    for h in range(heads):
+        ax = axes[h][0]
+        ax.imshow(keep[:, h, :], cmap="Greys_r", vmin=0, vmax=1, aspect="auto",
+                  interpolation="nearest")
+        ax.set_ylabel(f"head {h}\nlayer")
+        if tokens is not None and len(tokens) == n and n <= 120:
+            labels = ["".join(c if c.isprintable() else "?" for c in str(t)) for t in tokens]
+            ax.set_xticks(range(n), labels, rotation=90, fontsize=5)
+        else:
+            ax.set_xlabel("token")
+    kept = keep.mean() * 100
+    fig.suptitle(f"{title} kept {kept:.1f}% (white = kept, black = evicted)", fontsize=9)
+    fig.tight_layout()
+    path = Path(path)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def write_outputs(store: ResultStore) -> list[Path]:
+    """Markdown table and every plot the stored results allow; returns the files written."""
+    store.save()
+    results = store.complete_results()
+    paths = [write_table(store)]
+    acc = plot_accuracy_vs_eviction(results, store.dir / "accuracy_vs_eviction.png")
+    if acc is not None:
+        paths.append(acc)
+    paths.extend(plot_needle_heatmaps(results, store.dir))
+    return paths

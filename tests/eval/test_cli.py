@@ -1,0 +1,121 @@
+"""``python -m kvgate.eval``: one-line errors before the model loads, and an end-to-end run."""
+
+import json
+
+import pytest
+import torch
+from eval_fakes import CharTokenizer
+
+import kvgate.eval.__main__ as cli
+from kvgate.gate import GateConfig, patch
+
+
+@pytest.fixture
+def no_model(monkeypatch):
+    def refuse(args):
+        raise AssertionError("the model must not load when the arguments are wrong")
+
+    monkeypatch.setattr(cli, "load_model", refuse)
+
+
+@pytest.fixture
+def tiny_cli(monkeypatch, tiny_llama):
+    monkeypatch.setattr(cli, "load_model", lambda args: (tiny_llama, CharTokenizer(),
+                                                         {"model": "tiny", "checkpoint": None}))
+    return tiny_llama
+
+
+def run(capsys, *argv):
+    code = cli.main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--tasks", "rte,nope"], "unknown task 'nope'"),
+    (["--policies", "full,snapcv"], "unknown policy 'snapcv'"),
+    (["--budgets", "abc"], "budget 'abc' is neither a ratio nor a token count"),
+    (["--budgets", "0"], "budget ratio must lie in (0, 1]"),
+    (["--budgets", "1.5"], "budget ratio must lie in (0, 1]"),
+    (["--policies", "full", "--policy-opt", "snapkv.window=4"], "not in --policies"),
+    (["--policies", "snapkv", "--policy-opt", "snapkv.windw=4"], "has no option 'windw'"),
+    (["--limit", "0"], "--limit must be >= 1"),
+])
+def test_bad_arguments_fail_in_one_line_before_loading(capsys, no_model, tmp_path, args, message):
+    code, _, err = run(capsys, "mc", "--model", "x", "--out", str(tmp_path), *args)
+    assert code == 2
+    assert err.startswith("error: ") and err.count("\n") == 1
+    assert message in err
+
+
+def test_needle_lists_must_be_numbers(capsys, no_model, tmp_path):
+    code, _, err = run(capsys, "needle", "--model", "x", "--out", str(tmp_path),
+                       "--lengths", "1k")
+    assert code == 2 and "--lengths" in err
+
+
+def test_learned_gate_needs_a_checkpoint(capsys, tiny_cli, tmp_path):
+    code, _, err = run(capsys, "mc", "--model", "x", "--out", str(tmp_path), "--tasks", "copa",
+                       "--policies", "attention_gate", "--limit", "2")
+    assert code == 2 and "needs a gated model" in err
+
+
+def test_mc_end_to_end_and_resume(capsys, tiny_cli, tmp_path):
+    argv = ["mc", "--model", "x", "--out", str(tmp_path), "--tasks", "copa",
+            "--policies", "full,window", "--budgets", "0.5,0.25", "--limit", "3",
+            "--no-progress"]
+    code, out, _ = run(capsys, *argv)
+    assert code == 0
+    assert "| copa | window | 0.25 | masked | 3 |" in out
+    results = json.loads((tmp_path / "results.json").read_text())["results"]
+    assert sorted(results) == ["mc|copa|full|none|masked", "mc|copa|window|0.25|masked",
+                               "mc|copa|window|0.5|masked"]
+    assert (tmp_path / "results.md").is_file()
+    assert (tmp_path / "accuracy_vs_eviction.png").read_bytes()[:4] == b"\x89PNG"
+    before = (tmp_path / "results.json").read_text()
+    code, _, _ = run(capsys, *argv)  # everything is complete: nothing is recomputed
+    assert code == 0 and json.loads(before) == json.loads((tmp_path / "results.json").read_text())
+    code, out3, _ = run(capsys, "report", "--out", str(tmp_path))
+    assert code == 0 and "| copa | full | none | masked | 3 |" in out3
+
+
+def test_results_of_another_model_are_not_mixed(capsys, tiny_cli, tmp_path):
+    (tmp_path / "results.json").write_text(json.dumps({"meta": {"model": "other"},
+                                                       "results": {}}))
+    code, _, err = run(capsys, "mc", "--model", "x", "--out", str(tmp_path), "--tasks", "copa",
+                       "--limit", "1")
+    assert code == 2 and "use another --out folder" in err
+
+
+def test_matched_end_to_end_with_patterns(capsys, monkeypatch, tiny_llama, tmp_path):
+    torch.manual_seed(0)
+    patch(tiny_llama, GateConfig(gamma=0.0))
+    monkeypatch.setattr(cli, "load_model", lambda args: (tiny_llama, CharTokenizer(),
+                                                         {"model": "tiny", "checkpoint": "c"}))
+    code, out, err = run(capsys, "matched", "--checkpoint", "c", "--out", str(tmp_path),
+                         "--tasks", "copa", "--policies", "window,h2o", "--limit", "3",
+                         "--patterns", "2", "--no-progress")
+    assert code == 0, err
+    results = json.loads((tmp_path / "results.json").read_text())["results"]
+    assert sorted(results) == ["mc|copa|attention_gate|none|masked",
+                               "mc|copa|h2o|matched-attention_gate|masked",
+                               "mc|copa|window|matched-attention_gate|masked"]
+    assert sorted(p.name for p in tmp_path.glob("pattern_*.png")) == [
+        "pattern_attention_gate_copa_0.png", "pattern_attention_gate_copa_1.png"]
+    assert "matched-attention_gate" in out
+
+
+def test_all_policies_on_a_base_model_skip_the_learned_gate(capsys, tiny_cli, tmp_path):
+    code, _, err = run(capsys, "ppl", "--model", "x", "--out", str(tmp_path), "--policies",
+                       "all", "--budgets", "0.5", "--text-files", str(_text(tmp_path)),
+                       "--max-length", "24", "--no-progress")
+    assert code == 0, err
+    results = json.loads((tmp_path / "results.json").read_text())["results"]
+    policies = {key.split("|")[2] for key in results}
+    assert "attention_gate" not in policies and {"full", "snapkv", "roco"} <= policies
+
+
+def _text(tmp_path):
+    path = tmp_path / "held_out.txt"
+    path.write_text("the quick brown fox jumps over the lazy dog again and again")
+    return path

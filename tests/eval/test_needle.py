@@ -1,0 +1,157 @@
+"""Passkey prompts (length, depth), needle scoring, greedy generation and perplexity under
+eviction."""
+
+import math
+
+import pytest
+import torch
+from conftest import build, tiny_llama_config
+from eval_fakes import CharTokenizer
+
+from kvgate.eval.masked import EvalError
+from kvgate.eval.needle import (
+    INTRO,
+    NEEDLE,
+    QUESTION,
+    SNAP,
+    evaluate_needle,
+    evaluate_ppl,
+    generate_greedy,
+    make_needle,
+    needle_set,
+    ppl_items,
+    rank_item,
+)
+from kvgate.eval.report import ResultStore
+from kvgate.policies import Budget, get_policy
+
+TOK = CharTokenizer()
+FILLER = ["The grass is green. The sky is blue. The sun is yellow. Here we go. Back again.",
+          "Rivers run to the sea and the sea never fills. Birds fly south."] * 4
+
+
+def _filler(n):
+    ids = []
+    while len(ids) < n:
+        for t in FILLER:
+            ids += TOK(" " + t, False)["input_ids"]
+    return ids[:n]
+
+
+@pytest.mark.parametrize("length", [300, 433])
+@pytest.mark.parametrize("depth", [0.0, 10.0, 37.0, 50.0, 75.0, 100.0])
+def test_needle_lands_at_the_requested_depth_and_length(length, depth):
+    ex = make_needle(TOK, _filler(length), length, depth, "12345", "u")
+    assert len(ex.ids) == length
+    needle = TOK(NEEDLE.format(key="12345"), False)["input_ids"]
+    assert list(ex.ids[ex.needle_start: ex.needle_start + len(needle)]) == needle
+    question = TOK(QUESTION, False)["input_ids"]
+    assert list(ex.ids[-len(question):]) == question
+    assert abs(ex.actual_depth - depth) <= 100 * 16 / ex.filler_len + 1e-9  # snapped <= 16 tokens
+    # the depth is the share of filler tokens before the needle
+    head = len(TOK(INTRO)["input_ids"])
+    assert ex.filler_len == length - head - len(needle) - len(question)
+    assert ex.actual_depth == pytest.approx(100 * (ex.needle_start - head) / ex.filler_len)
+    unsnapped = make_needle(TOK, _filler(length), length, depth, "12345", "u", snap=False)
+    cut = round(depth / 100 * ex.filler_len)
+    assert unsnapped.actual_depth == pytest.approx(100 * cut / ex.filler_len)
+    hay = _filler(ex.filler_len)
+    ends = [i for i in range(max(1, cut - SNAP), min(len(hay), cut + SNAP) + 1)
+            if TOK.decode([hay[i - 1]]) in ".!?"]
+    if 0 < depth < 100 and ends:  # moved onto the nearest sentence end
+        assert TOK.decode([ex.ids[ex.needle_start - 1]]) in ".!?"
+        assert ex.needle_start - head == min(ends, key=lambda i: abs(i - cut))
+    else:
+        assert ex.ids == unsnapped.ids
+
+
+def test_needle_refuses_impossible_requests():
+    with pytest.raises(EvalError, match="no room"):
+        make_needle(TOK, _filler(50), 50, 50.0, "12345", "u")
+    with pytest.raises(EvalError, match="depth"):
+        make_needle(TOK, _filler(300), 300, 120.0, "12345", "u")
+
+
+def test_needle_set_is_deterministic_with_distinct_keys():
+    a = needle_set(TOK, FILLER, 300, 50.0, 4, seed=1)
+    b = needle_set(TOK, FILLER, 300, 50.0, 4, seed=1)
+    assert [x.ids for x in a] == [x.ids for x in b]
+    assert len({x.key for x in a}) == 4 and all(len(x.key) == 5 for x in a)
+    item = rank_item(a[0], TOK, distractors=5)
+    assert len(item.choices) == 6
+    assert TOK.decode(item.choices[item.gold]) == " " + a[0].key
+
+
+def _plain_greedy(model, ids, steps):
+    ids = list(ids)
+    out = []
+    for _ in range(steps):
+        with torch.no_grad():
+            nxt = int(model(torch.tensor([ids])).logits[0, -1].argmax())
+        out.append(nxt)
+        ids.append(nxt)
+    return out
+
+
+def test_greedy_generation_with_full_cache_equals_plain_decoding(tiny_model):
+    prompts = [list(range(3, 20)), list(range(30, 40))]
+    gen, kept, total = generate_greedy(tiny_model, prompts, get_policy("full"),
+                                       Budget(ratio=1.0), max_new_tokens=4, eos=None)
+    assert gen == [_plain_greedy(tiny_model, p, 4) for p in prompts]
+    assert kept == total == [2 * tiny_model.config.num_key_value_heads * len(p) for p in prompts]
+
+
+def test_needle_runs_write_accuracy_cells(tmp_path):
+    tiny_llama = build(tiny_llama_config(max_position_embeddings=512))
+    st = ResultStore(tmp_path, {"model": "tiny", "checkpoint": None}, flush_s=0.0)
+    policies = {"full": get_policy("full"), "window": get_policy("window")}
+    keys = evaluate_needle(tiny_llama, TOK, FILLER, [260], [0.0, 100.0], policies,
+                           [Budget(ratio=0.25)], st, scoring="rank", samples=2, distractors=3,
+                           progress=False)
+    assert len(keys) == 4
+    for key in keys:
+        rec = st.results[key]
+        assert rec["complete"] and rec["n"] == 2 and 0.0 <= rec["acc"] <= 100.0
+        assert rec["length"] == 260 and rec["depth"] in (0.0, 100.0)
+    assert st.results["needle|260@0|window|0.25|rank-masked"]["evict_pct"] > 70
+    gen = evaluate_needle(tiny_llama, TOK, FILLER, [260], [50.0], {"window": policies["window"]},
+                          [Budget(ratio=0.5)], st, scoring="generate", samples=2,
+                          max_new_tokens=3, progress=False)
+    rec = st.results[gen[0]]
+    assert gen[0].endswith("generate-cache") and rec["n"] == 2
+    assert all(r["hit"] == (r["key"] in r["output"]) for r in rec["examples"].values())
+
+
+def test_perplexity_under_eviction(tiny_llama, tmp_path):
+    texts = ["the cat sat on the mat and looked at the door for a long while",
+             "a short one", "x"]
+    items = ppl_items(TOK, texts, max_length=40, prefix=0.5)
+    assert len(items) == 2  # "x" has too few tokens
+    st = ResultStore(tmp_path, {"model": "tiny", "checkpoint": None}, flush_s=0.0)
+    keys = evaluate_ppl(tiny_llama, TOK, texts, {"full": get_policy("full"),
+                                                 "h2o": get_policy("h2o")},
+                        [Budget(ratio=0.5)], st, mode="masked", max_length=40)
+    # full: the plain model's NLL of each text's second half given its first half
+    nll = count = 0
+    for it in items:
+        ids = torch.tensor([list(it.context) + list(it.choices[0])])
+        with torch.no_grad():
+            logp = torch.log_softmax(tiny_llama(ids).logits[0].double(), -1)
+        cut = len(it.context)
+        nll -= sum(logp[t - 1, ids[0, t]].item() for t in range(cut, ids.shape[1]))
+        count += ids.shape[1] - cut
+    full = st.results[keys[0]]
+    assert full["ppl"] == pytest.approx(math.exp(nll / count), rel=1e-5)
+    assert full["tokens"] == count
+    h2o = st.results[keys[1]]
+    assert h2o["ppl"] != pytest.approx(full["ppl"], rel=1e-4) and h2o["evict_pct"] > 40
+    [cache_key] = evaluate_ppl(tiny_llama, TOK, texts, {"h2o": get_policy("h2o")},
+                               [Budget(ratio=0.5)], st, mode="cache", max_length=40)
+    assert st.results[cache_key]["ppl"] == pytest.approx(h2o["ppl"], rel=1e-5)
+
+
+def test_ppl_arguments_are_checked():
+    with pytest.raises(EvalError, match="prefix"):
+        ppl_items(TOK, ["some text here"], prefix=1.0)
+    with pytest.raises(EvalError, match="4 tokens"):
+        ppl_items(TOK, ["ab"])

@@ -1,0 +1,98 @@
+"""Report outputs: markdown table of complete keys, PNG plots, atomic resumable JSON."""
+
+import json
+
+import pytest
+import torch
+
+from kvgate.eval.masked import EvalError
+from kvgate.eval.report import (
+    ResultStore,
+    budget_label,
+    make_key,
+    markdown_table,
+    plot_eviction_pattern,
+    split_key,
+    write_outputs,
+)
+from kvgate.policies import Budget
+
+PNG = b"\x89PNG"
+
+
+def _mc(acc, evict):
+    return {"acc": acc, "acc_norm": acc - 1, "evict_pct": evict, "evict_pct_tokens": evict,
+            "n": 10}
+
+
+def filled_store(tmp_path):
+    st = ResultStore(tmp_path, {"model": "m", "checkpoint": None}, flush_s=3600)
+    for task in ("rte", "copa"):
+        st.put(make_key("mc", task, "full", "none", "masked"), _mc(70, 0),
+               {}, complete=True)
+        for b, acc in (("0.5", 60.0), ("0.25", 50.0)):
+            st.put(make_key("mc", task, "snapkv", b, "masked"),
+                   _mc(acc, 100 * (1 - float(b))), {}, complete=True)
+    st.put(make_key("mc", "rte", "h2o", "0.5", "masked"), _mc(1, 50), {},
+           complete=False)
+    for length in (256, 512):
+        for depth in (0.0, 50.0):
+            st.put(make_key("needle", f"{length}@{depth:g}", "snapkv", "0.5", "rank-masked"),
+                   {"length": length, "depth": depth, "acc": 50.0, "n": 2, "evict_pct": 50.0},
+                   {}, complete=True)
+    return st
+
+
+def test_keys_and_budget_labels():
+    assert budget_label(Budget(ratio=0.5)) == "0.5"
+    assert budget_label(Budget(tokens=128)) == "128t"
+    assert budget_label(None) == "none"
+    key = make_key("mc", "rte", "snapkv", "0.5", "cache")
+    assert split_key(key) == {"kind": "mc", "task": "rte", "policy": "snapkv",
+                              "budget": "0.5", "mode": "cache"}
+
+
+def test_markdown_table_lists_complete_keys_only(tmp_path):
+    table = markdown_table(filled_store(tmp_path).complete_results())
+    assert "### mc" in table and "### needle" in table
+    assert "| rte | snapkv | 0.25 | masked | 10 | 50.00 | 49.00 | 75.00 |" in table
+    assert "h2o" not in table  # its key never completed
+
+
+def test_write_outputs_makes_table_and_plots(tmp_path):
+    st = filled_store(tmp_path)
+    paths = write_outputs(st)
+    names = sorted(p.name for p in paths)
+    assert names == ["accuracy_vs_eviction.png", "needle_snapkv_0.5_rank-masked.png",
+                     "results.md"]
+    for p in paths:
+        if p.suffix == ".png":
+            assert p.read_bytes()[:4] == PNG
+    saved = json.loads((tmp_path / "results.json").read_text())
+    assert saved["meta"]["model"] == "m" and len(saved["results"]) == 11
+
+
+def test_eviction_pattern_plot(tmp_path):
+    keep = torch.rand(3, 2, 20) > 0.5
+    path = plot_eviction_pattern(keep, tmp_path / "p.png", "gate", [f"t{i}" for i in range(20)])
+    assert path.read_bytes()[:4] == PNG
+    with pytest.raises(EvalError, match="layers, kv_heads, tokens"):
+        plot_eviction_pattern(torch.ones(3, 20), tmp_path / "q.png")
+
+
+def test_unreadable_results_file_is_refused(tmp_path):
+    (tmp_path / "results.json").write_text("{not json")
+    with pytest.raises(EvalError, match="not readable JSON"):
+        ResultStore(tmp_path, {"model": "m"})
+
+
+def test_partial_state_is_flushed_on_a_timer_and_on_completion(tmp_path):
+    st = ResultStore(tmp_path, {"model": "m", "checkpoint": None}, flush_s=3600)
+    key = make_key("mc", "t", "full", "none", "masked")
+    st.put(key, {}, {"a": {}}, complete=False)  # the first partial state: written at once
+    st.put(key, {}, {"a": {}, "b": {}}, complete=False)  # within flush_s of the last write
+    on_disk = json.loads((tmp_path / "results.json").read_text())["results"][key]
+    assert list(on_disk["examples"]) == ["a"]
+    st.put(key, {}, {"a": {}, "b": {}}, complete=True)
+    on_disk = json.loads((tmp_path / "results.json").read_text())["results"][key]
+    assert on_disk["complete"] and sorted(on_disk["examples"]) == ["a", "b"]
