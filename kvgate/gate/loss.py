@@ -46,18 +46,21 @@ def retention_stats(model: nn.Module) -> dict[str, Tensor]:
 
 
 def eviction_loss(model: nn.Module, config: GateConfig | None = None,
-                  attention_mask: Tensor | None = None) -> tuple[Tensor, dict[str, Tensor]]:
+                  attention_mask: Tensor | None = None,
+                  beta: float | None = None) -> tuple[Tensor, dict[str, Tensor]]:
     """``alpha * |retention - beta|`` from the flags recorded in the last forward.
 
-    ``attention_mask`` is accepted for API symmetry; padding is already excluded through the
-    recorded ``counted`` mask (the 4-D prefill mask the gates saw).
+    ``beta`` overrides ``config.beta`` (a retention schedule anneals it from 1.0, which the
+    config itself may not hold since it checks beta <= tau). ``attention_mask`` is accepted
+    for API symmetry; padding is already excluded through the recorded ``counted`` mask.
     """
     gates = gate_modules(model)
     if not gates:
         raise RuntimeError("eviction_loss: the model has no gates (call kvgate.patch first)")
     config = config or gates[0].config
     stats = retention_stats(model)
-    loss = config.alpha * (stats["retention"] - config.beta).abs()
+    target = config.beta if beta is None else float(beta)
+    loss = config.alpha * (stats["retention"] - target).abs()
     return loss, stats
 
 

@@ -22,6 +22,7 @@ class AttentionGatePolicy(Policy):
     encode_mask = True
     needs_attention = False
     decode_eviction = False
+    encode_recent = 0  # set from the gate's config by keep(): recent band inside the prefill
 
     def keep(self, prompt: LayerPrompt, budget: Budget | None = None) -> Tensor:
         """[B, H_kv, n] bool from the layer's gate (per-query-head gates: union over the
@@ -43,6 +44,9 @@ class AttentionGatePolicy(Policy):
         if flags.shape[1] != hk:
             flags = flags.view(flags.shape[0], hk, -1, flags.shape[-1]).any(2)
         recent = module.kv_gate.config.recent
+        # the prefill must show each query its last `recent` keys, as training did (the cache
+        # reads this after keep())
+        self.encode_recent = recent
         if recent:
             # the last `recent` prompt tokens stay: every later query would see them anyway
             n_real = prompt.valid.sum(-1, keepdim=True)

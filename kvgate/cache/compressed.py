@@ -1,0 +1,449 @@
+"""CompressedCache: a transformers ``Cache`` that stores only the entries a policy keeps.
+
+How it plugs in: after ``kvgate.models.dispatch.install(model)`` every attention call of a
+forward that carries this cache goes to ``CompressedCache.attend``. ``update`` passes the new
+keys/values through untouched and ``attend`` does both the attention and the storing, because
+only there are the query, the mask and the normalised layer input known together.
+
+Per layer, the first call is the prefill: the policy sees the whole prompt (``LayerPrompt``)
+and returns a keep mask; the prompt attends fully (or under the eq. 5 mask for ``encode_mask``
+policies, or block by block for ``stream_prefill`` policies), then only kept entries are
+stored (``RaggedStore``). Later calls append new tokens and attend over the ragged store;
+policies with ``decode_eviction`` hold each head at a capacity through
+``decode_init`` / ``decode_select``.
+
+Positions: a cache that evicts holds fewer entries than tokens seen, so everything that
+transformers derives from the cache length (``get_seq_length``, ``get_mask_sizes``) reports
+the *seen* length, and new tokens get their true positions. The 4-D mask transformers builds
+cannot describe a ragged store, so after the prefill it is used only to tell real tokens from
+padding; visibility (causal, sliding window) comes from the stored true positions.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from transformers.cache_utils import Cache
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+from kvgate.attention.decode import KVPart, multipart_attention
+from kvgate.cache.errors import CacheError
+from kvgate.cache.prefill import (
+    keep_masked_attention,
+    new_token_validity,
+    positions_after,
+    prompt_allowed,
+)
+from kvgate.cache.ragged import RaggedStore
+from kvgate.policies.base import Budget, LayerPrompt, Policy, PolicyError
+
+
+@dataclass
+class _Layer:
+    """Cache state of one decoder layer."""
+
+    store: RaggedStore | None = None
+    seen: int = 0  # tokens fed so far, padding included (what transformers' positions count)
+    real_seen: Tensor | None = None  # [B] real tokens fed so far
+    capacity: Tensor | None = None  # [B, H_kv] decode budget (decode-evicting policies)
+    stats: dict[str, Tensor] = field(default_factory=dict)  # [B, H_kv, T] per-slot policy state
+    pending: bool = False  # update() seen, attend() not yet
+
+
+def _text_config(config: Any) -> Any:
+    getter = getattr(config, "get_text_config", None)
+    return getter(decoder=True) if getter is not None else config
+
+
+class CompressedCache(Cache):
+    """A KV cache that really shrinks: per layer and KV head it holds only the kept entries.
+
+    Args:
+        model_or_config: the model (then ``dispatch.install(model)`` is called for you) or
+            its config.
+        policy: which entries stay (``kvgate.policies``).
+        budget: prompt entries each KV head keeps (``Budget``, ratio or token count).
+        decode_budget: for ``decode_eviction`` policies, the size each head is held at while
+            decoding: None = the per-head counts right after the prefill; an int > 1 = that
+            many tokens; a float in (0, 1] = that share of the sample's real prompt length.
+        allow_attention_scores: False for backends that never materialise attention
+            probabilities; policies that need them are then refused.
+
+    Usable as ``model.generate(..., past_key_values=cache)`` or in a manual loop. One cache
+    serves one batch of prompts; make a new one (or ``reset()``) for the next batch.
+    """
+
+    handles_attention = True
+
+    def __init__(self, model_or_config: nn.Module | Any, policy: Policy,
+                 budget: Budget | float | str, decode_budget: Budget | float | None = None,
+                 *, allow_attention_scores: bool = True) -> None:
+        if isinstance(model_or_config, nn.Module):
+            from kvgate.models import dispatch
+
+            dispatch.install(model_or_config)
+            config = model_or_config.config
+        else:
+            config = model_or_config
+        config = _text_config(config)
+        try:
+            self.num_layers = int(config.num_hidden_layers)
+            heads = int(config.num_attention_heads)
+            self.kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
+        except AttributeError as exc:
+            raise CacheError(f"CompressedCache needs a decoder config, got {type(config).__name__}"
+                             ) from exc
+        self.head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // heads)
+        if not callable(getattr(policy, "keep", None)):
+            raise PolicyError(f"policy must be a kvgate Policy, got {type(policy).__name__}")
+        for flag in ("decode_eviction", "stream_prefill"):
+            if getattr(policy, flag, False) and not (hasattr(policy, "decode_init")
+                                                     and hasattr(policy, "decode_select")):
+                raise PolicyError(f"policy {policy.name!r} sets {flag} but has no "
+                                  "decode_init/decode_select")
+        if policy.needs_attention and not allow_attention_scores:
+            raise PolicyError(f"policy {policy.name!r} needs attention scores, which this "
+                              "attention backend cannot give")
+        self.policy = policy
+        # RoCo-style policies tell encoding (streamed prompt) from decoding by this flag
+        select = getattr(policy, "decode_select", None)
+        self._select_takes_prefill = (select is not None
+                                      and "prefill" in inspect.signature(select).parameters)
+        self.budget = Budget.parse(budget)
+        self.decode_budget = _check_decode_budget(decode_budget)
+        super().__init__(layers=[_Layer() for _ in range(self.num_layers)])
+
+    # ----------------------------------------------------------------- transformers API
+
+    def update(self, key_states: Tensor, value_states: Tensor, layer_idx: int, *args,
+               **kwargs) -> tuple[Tensor, Tensor]:
+        """Pass-through: ``attend`` stores the entries once it knows what to keep."""
+        layer = self._layer(layer_idx)
+        if layer.pending:
+            raise CacheError("CompressedCache.attend was never called: route the model's "
+                             "attention through kvgate first (kvgate.models.dispatch.install(model))")
+        layer.pending = True
+        return key_states, value_states
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        """Tokens *seen* (padding included), not entries stored: transformers derives the
+        positions of new tokens from this."""
+        return self.layers[layer_idx].seen if layer_idx < self.num_layers else 0
+
+    def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
+        return self.get_seq_length(layer_idx) + query_length, 0
+
+    def get_query_offset(self, layer_idx: int = 0) -> int:
+        return self.get_seq_length(layer_idx)
+
+    def get_max_length(self, layer_idx: int | None = None) -> int:
+        return -1
+
+    @property
+    def is_compileable(self) -> bool:
+        return False
+
+    @property
+    def is_initialized(self) -> bool:
+        return self.layers[0].store is not None
+
+    @property
+    def is_croppable(self) -> bool:
+        return False
+
+    @property
+    def batch_size(self) -> int:
+        store = self.layers[0].store
+        return -1 if store is None else store.batch
+
+    @property
+    def is_sliding(self) -> list[bool]:
+        # sliding windows are applied in attend from true positions; transformers must size
+        # every mask by the seen length, which it does for "full" layers
+        return [False] * self.num_layers
+
+    def reset(self) -> None:
+        self.layers = [_Layer() for _ in range(self.num_layers)]
+
+    def _unsupported(self, what: str):
+        raise CacheError(f"CompressedCache does not support {what} (use greedy or sampling "
+                         "without beams or assistant models)")
+
+    def reorder_cache(self, beam_idx: Tensor) -> None:
+        self._unsupported("beam search")
+
+    def crop(self, tokens_to_remove: int) -> None:
+        self._unsupported("cropping (assisted decoding)")
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self._unsupported("repeating the batch (num_return_sequences > 1 or beams)")
+
+    def batch_select_indices(self, indices: Tensor) -> None:
+        self._unsupported("selecting batch rows")
+
+    # ----------------------------------------------------------------- measurements
+
+    @property
+    def seen_tokens(self) -> Tensor:
+        """Real (non-padding) tokens seen per sample: ``[B]`` long."""
+        real = self.layers[0].real_seen
+        if real is None:
+            raise CacheError("the cache is empty: run a prefill first")
+        return real
+
+    def kept_counts(self, layer_idx: int) -> Tensor:
+        """Entries held per (sample, KV head) in one layer: ``[B, H_kv]`` long."""
+        store = self._layer(layer_idx).store
+        if store is None:
+            raise CacheError(f"layer {layer_idx} holds nothing yet: run a prefill first")
+        return store.kept_counts()
+
+    def kept_fraction(self, layer_idx: int | None = None) -> float:
+        """Held entries over real tokens seen x KV heads, for one layer or all of them."""
+        layers = range(self.num_layers) if layer_idx is None else [layer_idx]
+        kept = sum(int(self.kept_counts(i).sum()) for i in layers)
+        seen = sum(int(self.layers[i].real_seen.sum()) for i in layers) * self.kv_heads
+        return kept / max(seen, 1)
+
+    def kept_fractions(self) -> list[float]:
+        """Per-layer kept fraction."""
+        return [self.kept_fraction(i) for i in range(self.num_layers)]
+
+    def bytes_held(self) -> int:
+        """Bytes of every tensor the cache holds (K/V, true positions, counts)."""
+        return sum(layer.store.nbytes() for layer in self.layers if layer.store is not None)
+
+    def full_bytes(self) -> int:
+        """Bytes a dense cache would hold for the tokens seen: B x H_kv x seen x 2 x d."""
+        total = 0
+        for layer in self.layers:
+            if layer.store is not None:
+                s = layer.store
+                elem = torch.empty((), dtype=s.dtype).element_size()
+                total += s.batch * s.kv_heads * layer.seen * 2 * s.head_dim * elem
+        return total
+
+    def stats_bytes(self) -> int:
+        """Bytes of the policy's per-slot decode statistics (padded, not part of K/V)."""
+        return sum(t.numel() * t.element_size() for layer in self.layers
+                   for t in layer.stats.values())
+
+    # ----------------------------------------------------------------- attention
+
+    def attend(self, module: nn.Module, query: Tensor, key: Tensor, value: Tensor,
+               attention_mask: Tensor | None, scaling: float | None = None,
+               hidden: Tensor | None = None, **kwargs) -> tuple[Tensor, None]:
+        """Attention for one layer call; stores what the policy keeps.
+
+        query [B, H, r, d], key/value [B, H_kv, r, d] (post-RoPE), hidden [B, r, D].
+        Returns ``(out [B, r, H, d], None)`` like transformers' attention functions.
+        """
+        layer = self._layer(module.layer_idx)
+        layer.pending = False
+        if scaling is None:
+            scaling = float(getattr(module, "scaling", query.shape[-1] ** -0.5))
+        b, _, r, _ = query.shape
+        valid = new_token_validity(attention_mask, b, r, query.device)
+        window = kwargs.get("sliding_window") or None
+        if layer.store is None:
+            out = self._prefill(layer, module, query, key, value, attention_mask, valid,
+                                scaling, hidden, window, kwargs)
+        else:
+            if layer.store.batch != b:
+                raise CacheError(f"batch of {b} rows, but this cache was filled with "
+                                 f"{layer.store.batch}; use a new cache for a new batch")
+            out = self._step(layer, query, key, value, valid, scaling, window,
+                             all_valid=True if attention_mask is None else None)
+        return out, None
+
+    def _prefill(self, layer: _Layer, module: nn.Module, query: Tensor, key: Tensor,
+                 value: Tensor, mask: Tensor | None, valid: Tensor, scaling: float,
+                 hidden: Tensor | None, window: int | None, kwargs: dict) -> Tensor:
+        b, hk, n, d = key.shape
+        if hk != self.kv_heads or d != self.head_dim:
+            raise CacheError(f"layer {module.layer_idx} gives {hk} KV heads of dim {d}; the "
+                             f"config says {self.kv_heads} of dim {self.head_dim}")
+        layer.store = RaggedStore(b, hk, d, key.dtype, key.device)
+        layer.real_seen = torch.zeros(b, dtype=torch.long, device=key.device)
+        n_real = valid.sum(-1)
+        if getattr(self.policy, "stream_prefill", False):
+            out = self._stream_prefill(layer, module, query, key, value, mask, valid, scaling,
+                                       hidden, window, kwargs)
+        else:
+            prompt = LayerPrompt(module.layer_idx, self.num_layers, query, key, value, valid,
+                                 scaling, hidden, module)
+            keep = self._keep(prompt)
+            if self.policy.encode_mask:
+                allowed = prompt_allowed(mask, b, n, window, query.device)
+                out = keep_masked_attention(query, key, value, allowed, keep, scaling,
+                                            recent=int(getattr(self.policy, "encode_recent", 0)))
+            else:
+                out, _ = sdpa_attention_forward(module, query, key, value, mask, scaling=scaling,
+                                                dropout=0.0, **kwargs)
+            layer.store.append(key, value, positions_after(valid, layer.real_seen))
+            kept = layer.store.rebuild(keep)
+            if self.policy.decode_eviction:
+                stats = self.policy.decode_init(prompt, keep)
+                layer.stats = {k: layer.store.realign(v, kept) for k, v in stats.items()}
+            layer.seen, layer.real_seen = n, n_real
+        layer.capacity = self._decode_capacity(layer.store.kept_counts(), n_real)
+        return out
+
+    def _stream_prefill(self, layer: _Layer, module: nn.Module, query: Tensor, key: Tensor,
+                        value: Tensor, mask: Tensor | None, valid: Tensor, scaling: float,
+                        hidden: Tensor | None, window: int | None, kwargs: dict) -> Tensor:
+        """Evict-while-encoding in blocks of ``policy.block`` rows (RoCo-style), per layer.
+
+        Streaming one layer at a time equals feeding the model block by block: a layer's
+        rows of block i depend only on the previous layer's rows up to block i and on this
+        layer's own cache. Blocks are aligned to the end of the prompt, so a left-padded
+        sample meets the same block boundaries as when it runs alone. The longest aligned
+        prefix in which no sample exceeds its budget runs as one plain prefill (nothing would
+        be evicted there); every later block is one ``decode_select``.
+        """
+        b, hk, n, _ = key.shape
+        block = int(getattr(self.policy, "block", 1))
+        if block < 1:
+            raise PolicyError(f"policy {self.policy.name!r}: block must be >= 1, got {block}")
+        cap = self.budget.per_sample(valid.sum(-1))
+        layer.capacity = cap[:, None].expand(b, hk).clone()
+        fits = int((valid.long().cumsum(-1) <= cap[:, None]).sum(-1).min())
+        n0 = max(0, n - -(-(n - fits) // block) * block)  # last aligned boundary <= fits
+        outs = []
+        if n0 > 0:
+            m0 = None if mask is None else mask[..., :n0, :n0]
+            q0, k0, v0 = query[:, :, :n0], key[:, :, :n0], value[:, :, :n0]
+            out0, _ = sdpa_attention_forward(module, q0, k0, v0, m0, scaling=scaling,
+                                             dropout=0.0, **kwargs)
+            prompt = LayerPrompt(module.layer_idx, self.num_layers, q0, k0, v0, valid[:, :n0],
+                                 scaling, None if hidden is None else hidden[:, :n0], module)
+            keep = valid[:, None, :n0].expand(b, hk, n0)
+            layer.store.append(k0, v0, positions_after(valid[:, :n0], layer.real_seen))
+            kept = layer.store.rebuild(keep)
+            stats = self.policy.decode_init(prompt, keep)
+            layer.stats = {k: layer.store.realign(v, kept) for k, v in stats.items()}
+            layer.seen, layer.real_seen = n0, valid[:, :n0].sum(-1)
+            outs.append(out0)
+        lo = n0
+        while lo < n:  # a loop over blocks, like decode steps
+            hi = n - ((n - lo - 1) // block) * block  # next aligned boundary above lo
+            outs.append(self._step(layer, query[:, :, lo:hi], key[:, :, lo:hi],
+                                   value[:, :, lo:hi], valid[:, lo:hi], scaling, window,
+                                   evict=True, prefill=True))
+            lo = hi
+        if layer.store.tail_len:  # padding rows may still sit in the tail
+            kept = layer.store.rebuild(layer.store.slot_valid())
+            layer.stats = {k: layer.store.realign(v, kept) for k, v in layer.stats.items()}
+        return torch.cat(outs, dim=1)
+
+    def _step(self, layer: _Layer, query: Tensor, key: Tensor, value: Tensor, valid: Tensor,
+              scaling: float, window: int | None, evict: bool | None = None,
+              prefill: bool = False, all_valid: bool | None = None) -> Tensor:
+        """New rows after the prefill (decode steps, or prompt blocks when streaming).
+
+        ``all_valid``: True when the caller knows no new row is padding (no mask was given),
+        which spares a device sync per layer.
+        """
+        store = layer.store
+        r = key.shape[2]
+        if all_valid is None:
+            all_valid = bool(valid.all())
+        if all_valid:  # the usual decode step: fewer small ops than the general formula
+            qpos = layer.real_seen[:, None] + torch.arange(r, device=valid.device)
+        else:
+            qpos = positions_after(valid, layer.real_seen)
+        store.append(key, value, qpos, padded=not all_valid)
+        tb = store.base_len
+        base_k, base_v = store.base_kv()
+        tail_k, tail_v = store.tail_kv()
+        evict = self.policy.decode_eviction if evict is None else evict
+        # slot positions cost a gather over the base: only when a window or a policy needs them
+        positions = store.slot_positions() if (evict or window) else None  # [B, H_kv, T]
+        rows = qpos[:, None, :, None]  # [B, 1, r, 1]
+        base_vis = None if store.uniform else store.base_slot_valid()[:, :, None, :]
+        if not all_valid:  # padding rows (streamed prompts) see nothing
+            base_vis = rows >= 0 if base_vis is None else base_vis & (rows >= 0)
+        if window and tb:
+            near = positions[:, :, None, :tb] > rows - window
+            base_vis = near if base_vis is None else base_vis & near
+        tail_vis = None  # one real new row sees every real tail token: no mask needed
+        if r > 1 or window or store.tail_padded:
+            tpos = store.tail_pos.long()[:, None, None, :]  # [B, 1, 1, t]
+            tail_vis = (tpos >= 0) & (tpos <= rows)
+            if window:
+                tail_vis = tail_vis & (tpos > rows - window)
+        out, logits = multipart_attention(
+            query, [KVPart(base_k, base_v, base_vis), KVPart(tail_k, tail_v, tail_vis)],
+            scaling, return_logits=evict)
+        layer.seen += r
+        layer.real_seen = layer.real_seen + (r if all_valid else valid.sum(-1))
+        if evict:
+            self._select(layer, logits, positions >= 0, positions, prefill)
+        return out
+
+    def _select(self, layer: _Layer, logits: Tensor, slot_valid: Tensor, positions: Tensor,
+                prefill: bool) -> None:
+        """One ``decode_select`` round; rebuild the store only when something was evicted."""
+        store = layer.store
+        b, hk, t = slot_valid.shape
+        stats = {k: torch.cat([v, v.new_zeros(b, hk, t - v.shape[-1])], dim=-1)
+                 for k, v in layer.stats.items()}
+        extra = {"prefill": True} if prefill and self._select_takes_prefill else {}
+        stats, keep = self.policy.decode_select(stats, logits, slot_valid, positions,
+                                                layer.capacity, **extra)
+        if keep.shape != slot_valid.shape:
+            raise PolicyError(f"policy {self.policy.name!r}: decode_select returned keep of "
+                              f"shape {tuple(keep.shape)}, expected {tuple(slot_valid.shape)}")
+        keep = keep.to(torch.bool) & slot_valid
+        if bool((keep != slot_valid).any()):
+            kept = store.rebuild(keep)
+            stats = {k: store.realign(v, kept) for k, v in stats.items()}
+        layer.stats = dict(stats)
+
+    # ----------------------------------------------------------------- helpers
+
+    def _layer(self, layer_idx: int) -> _Layer:
+        if not 0 <= layer_idx < self.num_layers:
+            raise CacheError(f"layer {layer_idx} out of range: the cache was built for "
+                             f"{self.num_layers} layers")
+        return self.layers[layer_idx]
+
+    def _keep(self, prompt: LayerPrompt) -> Tensor:
+        keep = self.policy.keep(prompt, self.budget)
+        want = (prompt.key.shape[0], prompt.key.shape[1], prompt.key.shape[2])
+        if tuple(keep.shape) != want:
+            raise PolicyError(f"policy {self.policy.name!r} returned keep of shape "
+                              f"{tuple(keep.shape)}, expected {want}")
+        return keep.to(torch.bool) & prompt.valid[:, None, :]
+
+    def _decode_capacity(self, counts: Tensor, n_real: Tensor) -> Tensor:
+        db = self.decode_budget
+        if db is None:
+            return counts.clone()
+        if isinstance(db, int):
+            return torch.full_like(counts, db)
+        per = torch.ceil(n_real.to(torch.float64) * db - 1e-9).long().clamp(min=1)
+        return per[:, None].expand_as(counts).clone()
+
+    def __repr__(self) -> str:
+        return (f"CompressedCache(policy={self.policy.name!r}, budget={self.budget.describe()}, "
+                f"layers={self.num_layers}, kv_heads={self.kv_heads})")
+
+
+def _check_decode_budget(value: Budget | float | None) -> float | None:
+    """None, an int token count >= 1, or a ratio in (0, 1]."""
+    if value is None:
+        return None
+    if isinstance(value, Budget):
+        return value.tokens if value.tokens is not None else float(value.ratio)
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise PolicyError(f"decode_budget must be None, a token count or a ratio, got {value!r}")
+    if isinstance(value, int) and value > 1:
+        return value
+    if 0.0 < float(value) <= 1.0:
+        return float(value)
+    raise PolicyError(f"decode_budget ratio must lie in (0, 1] (or give tokens > 1), got {value}")

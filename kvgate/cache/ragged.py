@@ -1,0 +1,181 @@
+"""Ragged storage of one layer's kept K/V entries: the bytes held follow the kept entries.
+
+Layout (``S = B * H_kv`` segments, segment ``s = b * H_kv + h``):
+
+- *base*: flat ``keys`` / ``values`` ``[E, d]`` sorted by segment, then by slot; ``pos`` ``[E]``
+  int32 true positions; ``counts`` ``[S]``. There is no padding, so heads that keep very
+  different numbers of tokens cost exactly what they keep.
+- *tail*: dense ``[B, H_kv, t, d]`` tokens appended since the last rebuild. Every KV head
+  receives every new token, so the tail is rectangular; ``tail_pos`` ``[B, t]`` (-1 = padding).
+
+What policies and attention see is the *slot view*, padded per segment: slots ``0..Tb-1`` are
+the base (``Tb`` = longest segment; slot ``j`` of segment ``s`` is real iff
+``j < counts[s]``), slots ``Tb..Tb+t-1`` the tail. Only small per-slot tensors (masks,
+positions, scores) are materialised padded. K/V are gathered padded only transiently, one
+layer at a time, and only when the base is ragged; when every segment holds the same number
+of entries the base is a zero-copy ``[B, H_kv, Tb, d]`` view.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+def _nbytes(t: Tensor | None) -> int:
+    return 0 if t is None else t.numel() * t.element_size()
+
+
+class RaggedStore:
+    """Kept keys/values of one layer for ``batch`` samples x ``kv_heads`` heads of ``head_dim``."""
+
+    def __init__(self, batch: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
+                 device: torch.device) -> None:
+        self.batch, self.kv_heads, self.head_dim = batch, kv_heads, head_dim
+        self.dtype, self.device = dtype, device
+        segs = batch * kv_heads
+        self.keys = torch.empty(0, head_dim, dtype=dtype, device=device)
+        self.values = torch.empty(0, head_dim, dtype=dtype, device=device)
+        self.pos = torch.empty(0, dtype=torch.int32, device=device)
+        self.counts = torch.zeros(segs, dtype=torch.long, device=device)
+        self.tail_k: Tensor | None = None
+        self.tail_v: Tensor | None = None
+        self.tail_pos = torch.empty(batch, 0, dtype=torch.int32, device=device)
+        self.tail_padded = False  # some tail token is padding (only while streaming a prompt)
+        self._base_len = 0
+        self._uniform = True
+        self._index: Tensor | None = None  # [S, Tb] flat index of every base slot (lazy)
+
+    # ------------------------------------------------------------------ sizes
+
+    @property
+    def base_len(self) -> int:
+        """``Tb``: slots of the base in the padded view (the longest segment)."""
+        return self._base_len
+
+    @property
+    def tail_len(self) -> int:
+        return self.tail_pos.shape[1]
+
+    @property
+    def slots(self) -> int:
+        """``T = Tb + t``: slots per segment in the padded view."""
+        return self._base_len + self.tail_len
+
+    @property
+    def uniform(self) -> bool:
+        """True when every segment of the base holds the same number of entries."""
+        return self._uniform
+
+    def kept_counts(self) -> Tensor:
+        """Real entries per (sample, KV head), base and tail: ``[B, H_kv]`` long."""
+        base = self.counts.view(self.batch, self.kv_heads)
+        tail = (self.tail_pos >= 0).sum(-1, dtype=torch.long)
+        return base + tail[:, None]
+
+    def nbytes(self) -> int:
+        """Bytes of every tensor the store holds (K/V, positions, counts)."""
+        return sum(_nbytes(t) for t in (self.keys, self.values, self.pos, self.counts,
+                                        self.tail_k, self.tail_v, self.tail_pos))
+
+    # ------------------------------------------------------------------ writing
+
+    def append(self, keys: Tensor, values: Tensor, pos: Tensor, padded: bool | None = None) -> None:
+        """Add new tokens to every head: keys/values ``[B, H_kv, r, d]``, pos ``[B, r]`` (-1 pad).
+
+        ``padded``: whether ``pos`` holds a padding token, when the caller knows already.
+        """
+        pos = pos.to(torch.int32)
+        self.tail_padded |= bool((pos < 0).any()) if padded is None else padded
+        if self.tail_k is None:
+            # the first block is kept by reference: a rebuild usually follows right away
+            self.tail_k, self.tail_v, self.tail_pos = keys, values, pos
+            return
+        self.tail_k = torch.cat([self.tail_k, keys], dim=2)
+        self.tail_v = torch.cat([self.tail_v, values], dim=2)
+        self.tail_pos = torch.cat([self.tail_pos, pos], dim=1)
+
+    def rebuild(self, keep: Tensor) -> Tensor:
+        """Keep only the slots where ``keep`` [B, H_kv, T] is True; the tail moves into the base.
+
+        Returns the effective keep mask (``keep`` and a real slot), which ``realign`` needs to
+        carry per-slot statistics over to the new layout.
+        """
+        b, hk, segs = self.batch, self.kv_heads, self.batch * self.kv_heads
+        tb, t = self._base_len, self.tail_len
+        keep = keep.to(torch.bool) & self.slot_valid()
+        flat = keep.reshape(segs, tb + t)
+        kb, kt = flat[:, :tb], keep[..., tb:]
+        if t == 0:
+            # base only: the row-major order of the kept slots is already segment-sorted
+            src = self._base_index()[kb]
+            keys, values, pos = self.keys[src], self.values[src], self.pos[src]
+        elif tb == 0:
+            keys, values = self.tail_k[kt], self.tail_v[kt]
+            pos = self.tail_pos[:, None, :].expand(b, hk, t)[kt]
+        else:
+            dest = flat.reshape(-1).cumsum(0).view(segs, tb + t) - 1
+            total = int(flat.sum())
+            keys = torch.empty(total, self.head_dim, dtype=self.dtype, device=self.device)
+            values = torch.empty_like(keys)
+            pos = torch.empty(total, dtype=torch.int32, device=self.device)
+            src, dst = self._base_index()[kb], dest[:, :tb][kb]
+            keys[dst], values[dst], pos[dst] = self.keys[src], self.values[src], self.pos[src]
+            dst = dest[:, tb:][kt.reshape(segs, t)]
+            keys[dst], values[dst] = self.tail_k[kt], self.tail_v[kt]
+            pos[dst] = self.tail_pos[:, None, :].expand(b, hk, t)[kt]
+        self.keys, self.values, self.pos = keys, values, pos
+        self.counts = flat.sum(-1)
+        self.tail_k = self.tail_v = None
+        self.tail_pos = self.tail_pos[:, :0]
+        self.tail_padded = False
+        lo, hi = torch.aminmax(self.counts)
+        self._base_len, self._uniform = int(hi), bool(lo == hi)
+        self._index = None
+        return keep
+
+    def realign(self, x: Tensor, keep: Tensor) -> Tensor:
+        """Carry a per-slot tensor ``x`` [B, H_kv, T] of the old view to the rebuilt one."""
+        out = x.new_zeros(self.batch, self.kv_heads, self._base_len)
+        rank = keep.long().cumsum(-1) - 1
+        b, h, j = keep.nonzero(as_tuple=True)
+        out[b, h, rank[b, h, j]] = x[b, h, j]
+        return out
+
+    # ------------------------------------------------------------------ reading
+
+    def _base_index(self) -> Tensor:
+        """``[S, Tb]`` flat index of each base slot (clamped into range at empty slots)."""
+        if self._index is None:
+            start = self.counts.cumsum(0) - self.counts
+            idx = start[:, None] + torch.arange(self._base_len, device=self.device)
+            self._index = idx.clamp(max=max(self.keys.shape[0] - 1, 0))
+        return self._index
+
+    def base_slot_valid(self) -> Tensor:
+        """``[B, H_kv, Tb]`` True at real base slots."""
+        ar = torch.arange(self._base_len, device=self.device)
+        return (ar < self.counts[:, None]).view(self.batch, self.kv_heads, self._base_len)
+
+    def slot_valid(self) -> Tensor:
+        """``[B, H_kv, T]`` True at real slots (base entries and non-padding tail tokens)."""
+        tail = (self.tail_pos >= 0)[:, None, :].expand(self.batch, self.kv_heads, -1)
+        return torch.cat([self.base_slot_valid(), tail], dim=-1)
+
+    def slot_positions(self) -> Tensor:
+        """``[B, H_kv, T]`` long true positions, -1 at empty slots."""
+        base = self.pos[self._base_index()].long().view(self.batch, self.kv_heads, -1)
+        base = base.masked_fill(~self.base_slot_valid(), -1)
+        tail = self.tail_pos.long()[:, None, :].expand(self.batch, self.kv_heads, -1)
+        return torch.cat([base, tail], dim=-1)
+
+    def base_kv(self) -> tuple[Tensor, Tensor]:
+        """Base keys/values as ``[B, H_kv, Tb, d]``: a view when uniform, else a padded gather."""
+        shape = (self.batch, self.kv_heads, self._base_len, self.head_dim)
+        if self._uniform:
+            return self.keys.view(shape), self.values.view(shape)
+        idx = self._base_index().reshape(-1)
+        return self.keys[idx].view(shape), self.values[idx].view(shape)
+
+    def tail_kv(self) -> tuple[Tensor | None, Tensor | None]:
+        return self.tail_k, self.tail_v

@@ -1,0 +1,236 @@
+"""Generation with a compressed cache: prefill, compact, decode, and what it cost.
+
+``Engine`` owns the loop instead of calling ``model.generate`` so that it can time the
+prefill and the decode separately and report the cache's real size. The model call per step
+is the ordinary transformers forward; the cache (``CompressedCache``) does the eviction.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from kvgate.cache import CompressedCache
+from kvgate.models import dispatch
+from kvgate.policies.base import Budget, Policy, PolicyError
+
+ATTN_BACKENDS = ("sdpa", "flash")
+
+
+@dataclass
+class GenerationStats:
+    """What one ``Engine.generate`` call cost. Kept fractions are measured right after the
+    prefill (share of prompt entries still held, over layers x KV heads x real tokens)."""
+
+    prompt_tokens: list[int]
+    new_tokens: int
+    kept_fraction: float
+    kept_fraction_per_layer: list[float]
+    bytes_held: int  # K/V (+ positions) held at the end
+    bytes_full: int  # what a dense cache would hold for the same tokens
+    prefill_ms: float
+    decode_tokens_per_s: float
+    policy: str = ""
+    budget: str = ""
+
+    @property
+    def evicted_percent(self) -> float:
+        return 100.0 * (1.0 - self.kept_fraction)
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self) | {"evicted_percent": self.evicted_percent}
+
+    def table(self) -> str:
+        """A two-column text table for terminals."""
+        per_layer = " ".join(f"{100 * f:.0f}" for f in self.kept_fraction_per_layer)
+        ratio = self.bytes_held / self.bytes_full if self.bytes_full else float("nan")
+        rows = [
+            ("policy", f"{self.policy} ({self.budget})"),
+            ("prompt tokens", ", ".join(map(str, self.prompt_tokens))),
+            ("new tokens", str(self.new_tokens)),
+            ("kept (prompt)", (f"{100 * self.kept_fraction:.1f}%  (evicted "
+                               f"{self.evicted_percent:.1f}%)")),
+            ("kept per layer %", per_layer),
+            ("KV bytes held", f"{self.bytes_held:,} of {self.bytes_full:,} full ({ratio:.3f}x)"),
+            ("prefill", f"{self.prefill_ms:.1f} ms"),
+            ("decode", f"{self.decode_tokens_per_s:.1f} tokens/s"),
+        ]
+        width = max(len(k) for k, _ in rows)
+        return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
+
+
+@dataclass
+class GenerationResult:
+    texts: list[str]  # generated continuation per prompt (special tokens skipped)
+    token_ids: list[list[int]]  # generated ids per prompt, up to and including EOS
+    stats: GenerationStats
+    prompt_ids: list[list[int]] = field(default_factory=list)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class Engine:
+    """Prefill + decode of a (possibly gated) causal LM under one eviction policy.
+
+    Args:
+        model: a LLaMA/Mistral causal LM (``kvgate.models.load_base`` or ``load_gated``).
+        tokenizer: its tokenizer (prompts are left padded).
+        policy: a ``Policy`` or a registered name (``policy_options`` then go to it).
+        budget: prompt entries kept per KV head (ratio or tokens, see ``Budget``).
+        decode_budget: capacity while decoding for decode-evicting policies (see
+            ``CompressedCache``).
+        attn: "sdpa" (policies may compute attention scores) or "flash" (fused attention
+            only; policies that need attention scores are refused).
+    """
+
+    def __init__(self, model: nn.Module, tokenizer: Any, policy: Policy | str,
+                 budget: Budget | float | str, decode_budget: float | None = None,
+                 attn: str = "sdpa", policy_options: dict[str, Any] | None = None) -> None:
+        if attn not in ATTN_BACKENDS:
+            raise PolicyError(f"attention backend must be one of {', '.join(ATTN_BACKENDS)}, "
+                              f"got {attn!r}")
+        if isinstance(policy, str):
+            from kvgate.policies import get_policy
+
+            policy = get_policy(policy, **(policy_options or {}))
+        if policy.needs_attention and attn == "flash":
+            raise PolicyError(f"policy {policy.name!r} needs attention scores, which the "
+                              "'flash' backend cannot give; use --attn sdpa")
+        self.model = dispatch.install(model)
+        self.tokenizer = tokenizer
+        self.policy = policy
+        self.budget = Budget.parse(budget)
+        self.decode_budget = decode_budget
+        self.attn = attn
+        self.new_cache()  # validates decode_budget and the policy against the model now
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    def new_cache(self) -> CompressedCache:
+        return CompressedCache(self.model, self.policy, self.budget, self.decode_budget,
+                               allow_attention_scores=self.attn != "flash")
+
+    @torch.no_grad()
+    def prefill(self, input_ids: Tensor, attention_mask: Tensor | None = None,
+                ) -> tuple[Tensor, CompressedCache]:
+        """Run the prompt (left padded) once: ``(logits [B, n, V], cache)``."""
+        input_ids = input_ids.to(self.device)
+        if attention_mask is None:
+            attention_mask = torch.ones_like(input_ids)
+        attention_mask = attention_mask.to(self.device)
+        cache = self.new_cache()
+        out = self.model(input_ids=input_ids, attention_mask=attention_mask,
+                         position_ids=_positions(attention_mask), past_key_values=cache,
+                         use_cache=True)
+        return out.logits, cache
+
+    def encode(self, prompts: list[str] | str) -> tuple[Tensor, Tensor]:
+        """Tokenise with left padding: ``(input_ids [B, n], attention_mask [B, n])``."""
+        prompts = [prompts] if isinstance(prompts, str) else list(prompts)
+        if not prompts or any(not isinstance(p, str) or not p for p in prompts):
+            raise PolicyError("prompts must be a non-empty list of non-empty strings")
+        tok = self.tokenizer
+        side = getattr(tok, "padding_side", "right")
+        if getattr(tok, "pad_token", None) is None:
+            tok.pad_token = tok.eos_token
+        tok.padding_side = "left"
+        try:
+            enc = tok(prompts, return_tensors="pt", padding=True)
+        finally:
+            tok.padding_side = side
+        return enc["input_ids"], enc["attention_mask"]
+
+    @torch.no_grad()
+    def generate(self, prompts: list[str] | str, max_new_tokens: int = 32, greedy: bool = True,
+                 temperature: float = 1.0, seed: int | None = None) -> GenerationResult:
+        """Generate up to ``max_new_tokens`` per prompt (stops at EOS per sample)."""
+        if max_new_tokens < 1:
+            raise PolicyError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        if not greedy and temperature <= 0:
+            raise PolicyError(f"temperature must be > 0 for sampling, got {temperature}")
+        ids, mask = self.encode(prompts)
+        ids, mask = ids.to(self.device), mask.to(self.device)
+        gen = torch.Generator(device=self.device)
+        if seed is not None:
+            gen.manual_seed(seed)
+        eos = getattr(self.tokenizer, "eos_token_id", None)
+        pad = getattr(self.tokenizer, "pad_token_id", None)
+        pad = eos if pad is None else pad
+
+        cache = self.new_cache()
+        device = self.device
+        _sync(device)
+        t0 = time.perf_counter()
+        positions = _positions(mask)
+        out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions,
+                         past_key_values=cache, use_cache=True, logits_to_keep=1)
+        _sync(device)
+        prefill_s = time.perf_counter() - t0
+        kept = cache.kept_fraction()
+        kept_layers = cache.kept_fractions()
+
+        batch = ids.shape[0]
+        done = torch.zeros(batch, dtype=torch.bool, device=device)
+        tokens: list[Tensor] = []
+        next_pos = positions[:, -1:] + 1
+        steps = 0
+        t1 = time.perf_counter()
+        while True:
+            logits = out.logits[:, -1].float()
+            if greedy:
+                nxt = logits.argmax(-1)
+            else:
+                probs = torch.softmax(logits / temperature, dim=-1)
+                nxt = torch.multinomial(probs, 1, generator=gen)[:, 0]
+            if pad is not None:
+                nxt = torch.where(done, torch.full_like(nxt, pad), nxt)
+            tokens.append(nxt)
+            if eos is not None:
+                done = done | (nxt == eos)
+            if len(tokens) == max_new_tokens or bool(done.all()):
+                break
+            mask = torch.cat([mask, mask.new_ones(batch, 1)], dim=1)
+            out = self.model(input_ids=nxt[:, None], attention_mask=mask, position_ids=next_pos,
+                             past_key_values=cache, use_cache=True)
+            next_pos = next_pos + 1
+            steps += 1
+        _sync(device)
+        decode_s = time.perf_counter() - t1
+
+        generated = torch.stack(tokens, dim=1).tolist()
+        token_ids = [_until_eos(row, eos) for row in generated]
+        texts = [self.tokenizer.decode(row, skip_special_tokens=True) for row in token_ids]
+        stats = GenerationStats(
+            prompt_tokens=mask[:, :ids.shape[1]].sum(-1).tolist(),
+            new_tokens=sum(len(row) for row in token_ids),
+            kept_fraction=kept,
+            kept_fraction_per_layer=kept_layers,
+            bytes_held=cache.bytes_held(),
+            bytes_full=cache.full_bytes(),
+            prefill_ms=1000.0 * prefill_s,
+            decode_tokens_per_s=(steps * batch / decode_s) if steps and decode_s > 0 else 0.0,
+            policy=self.policy.name,
+            budget=self.budget.describe(),
+        )
+        prompt_ids = [row[m.bool()].tolist() for row, m in zip(ids, mask[:, :ids.shape[1]])]
+        return GenerationResult(texts, token_ids, stats, prompt_ids)
+
+
+def _positions(mask: Tensor) -> Tensor:
+    """RoPE positions of a left-padded batch: real tokens count from 0 (pads get 0)."""
+    return (mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
+def _until_eos(row: list[int], eos: int | None) -> list[int]:
+    if eos is not None and eos in row:
+        return row[:row.index(eos) + 1]
+    return row

@@ -1,0 +1,54 @@
+"""Typed recipe switches for training gates on small compute (validated on load)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+class RecipeError(ValueError):
+    """A recipe setting is out of range; the message names the key."""
+
+
+@dataclass
+class RecipeSettings:
+    """Which small-compute aids the training loss uses. The defaults are the paper's plain
+    objective (LM loss + eviction loss at a fixed beta), so an empty ``recipe:`` block
+    reproduces the paper."""
+
+    lm_weight: float = 1.0  # weight of the language-modelling loss
+    distill_weight: float = 0.0  # weight of KL(gates-open teacher || gated student); 0 = off
+    distill_temperature: float = 1.0  # softmax temperature of the KL
+    beta_start: float | None = None  # anneal beta from this value (1.0 = keep all); None = off
+    beta_steps: int = 0  # optimiser steps over which beta goes from beta_start to gate.beta
+    beta_schedule: str = "linear"  # linear | cosine
+    warmstart_steps: int = 0  # first steps train gates on heuristic keep labels (BCE); 0 = off
+    warmstart_policy: str = "h2o"  # heuristic whose masks are the labels (h2o | snapkv | ...)
+    warmstart_keep: float | None = None  # keep ratio of the labels; None = gate.beta
+
+    def __post_init__(self) -> None:
+        def bad(key: str, why: str) -> RecipeError:
+            return RecipeError(f"RecipeSettings.{key}: {why} (got {getattr(self, key)!r})")
+
+        if self.lm_weight < 0:
+            raise bad("lm_weight", "must be >= 0")
+        if self.distill_weight < 0:
+            raise bad("distill_weight", "must be >= 0")
+        if self.lm_weight == 0 and self.distill_weight == 0:
+            raise bad("lm_weight", "lm_weight and distill_weight cannot both be 0")
+        if self.distill_temperature <= 0:
+            raise bad("distill_temperature", "must be > 0")
+        if self.beta_start is not None and not 0.0 <= self.beta_start <= 1.0:
+            raise bad("beta_start", "must lie in [0, 1] or be null")
+        if self.beta_steps < 0:
+            raise bad("beta_steps", "must be >= 0")
+        if self.beta_schedule not in ("linear", "cosine"):
+            raise bad("beta_schedule", "must be linear or cosine")
+        if self.warmstart_steps < 0:
+            raise bad("warmstart_steps", "must be >= 0")
+        if self.warmstart_keep is not None and not 0.0 < self.warmstart_keep <= 1.0:
+            raise bad("warmstart_keep", "must lie in (0, 1] or be null")
+        if self.warmstart_steps:
+            from kvgate.policies import list_policies
+
+            if self.warmstart_policy not in list_policies() or self.warmstart_policy == "attention_gate":
+                raise bad("warmstart_policy", f"must be a heuristic policy: {list_policies()}")

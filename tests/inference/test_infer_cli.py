@@ -1,0 +1,78 @@
+"""infer.py: one-line errors with exit code 2, and a full run on a tiny model."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+from conftest import build, tiny_llama_config
+from engine_toys import char_tokenizer
+
+import kvgate.models
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def cli():
+    spec = importlib.util.spec_from_file_location("kvgate_infer_cli", ROOT / "infer.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture
+def tiny_base(monkeypatch):
+    """load_base -> a tiny random model; records the calls."""
+    calls = []
+
+    def fake_load_base(name, dtype="float32", device="cpu"):
+        calls.append(name)
+        return build(tiny_llama_config()), char_tokenizer()
+
+    monkeypatch.setattr(kvgate.models, "load_base", fake_load_base)
+    return calls
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--policy", "nope"], "unknown policy 'nope'"),
+    (["--budget", "1.5"], "budget ratio must lie in (0, 1]"),
+    (["--budget", "0"], "budget ratio must lie in (0, 1]"),
+    (["--policy", "snapkv", "--attn", "flash"], "needs attention scores"),
+    (["--policy", "snapkv", "--policy-opt", "colour=red"], "no option 'colour'"),
+    (["--policy-opt", "novalue"], "expected KEY=VALUE"),
+    (["--decode-budget", "x"], "--decode-budget"),
+])
+def test_bad_arguments_exit_2_with_one_line(cli, tiny_base, capsys, argv, message):
+    code = cli.main(["--model", "tiny", "--prompt", "hi", *argv])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert err.startswith("error: ") and message in err
+    assert err.count("\n") == 1 and "Traceback" not in err
+    assert tiny_base == []  # refused before any model was loaded
+
+
+def test_missing_checkpoint_and_prompt_file_exit_2(cli, capsys, tmp_path):
+    assert cli.main(["--checkpoint", str(tmp_path / "none"), "--prompt", "hi"]) == 2
+    assert "error: " in capsys.readouterr().err
+    assert cli.main(["--model", "tiny", "--prompt-file", str(tmp_path / "p.txt")]) == 2
+    assert "no such file" in capsys.readouterr().err
+
+
+def test_generates_and_prints_stats(cli, tiny_base, capsys, tmp_path):
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("first prompt here\n\nsecond\n")
+    code = cli.main(["--model", "tiny", "--policy", "snapkv", "--budget", "0.5",
+                     "--policy-opt", "window=4", "--prompt-file", str(prompts),
+                     "--max-new-tokens", "5"])
+    out = capsys.readouterr().out
+    assert code == 0 and tiny_base == ["tiny"]
+    assert "--- [1] second" in out and "KV bytes held" in out and "snapkv" in out
+    code = cli.main(["--model", "tiny", "--policy", "h2o", "--budget", "6", "--prompt",
+                     "json please", "--max-new-tokens", "3", "--json"])
+    data = json.loads(capsys.readouterr().out)
+    assert code == 0
+    assert data["stats"]["prompt_tokens"] == [11]
+    assert data["stats"]["kept_fraction"] == pytest.approx(6 / 11)
