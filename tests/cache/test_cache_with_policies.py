@@ -55,13 +55,15 @@ def test_policy_through_cache(model, name):
         assert batched[i].tolist() == alone[0].tolist(), f"sample {i}"
 
 
-def test_attention_gate_prefill_equals_the_gated_model(model):
+@pytest.mark.parametrize("protected", [dict(), dict(sinks=2, recent=3)])
+def test_attention_gate_prefill_equals_the_gated_model(model, protected):
     """The learned policy through the cache (eq. 5 prefill + compaction) gives the logits of
-    the gated model's own masked forward, and generation continues from the kept entries."""
+    the gated model's own masked forward, and generation continues from the kept entries;
+    also with protected sinks and a recent band (training and prefill must agree)."""
     from kvgate.gate import GateConfig, patch, unpatch
     from kvgate.models import dispatch
 
-    patch(model, GateConfig(gamma=0.0, tau=0.5))  # random gates: a real share is evicted
+    patch(model, GateConfig(gamma=0.0, tau=0.5, **protected))  # random gates: real eviction
     try:
         dispatch.install(model)
         ids = torch.randint(1, 128, (2, 20), generator=torch.Generator().manual_seed(0))
