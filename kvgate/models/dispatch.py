@@ -28,6 +28,7 @@ _HOOK_ATTR = "_kvgate_hook"
 _CTX_ATTR = "_kvgate_ctx"
 _PREV_IMPL_ATTR = "_kvgate_prev_attn_impl"
 _TAP_ATTR = "_kvgate_tap"
+_CLEAR_ATTR = "_kvgate_clear_hook"
 
 
 def attention_modules(model: nn.Module) -> list[nn.Module]:
@@ -43,6 +44,13 @@ def _record_context(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> N
         "cache": kwargs.get("past_key_values"),
         "position_embeddings": kwargs.get("position_embeddings"),
     }
+
+
+def _clear_contexts(model: nn.Module, *_: Any) -> None:
+    # the recorded hidden states and cache reference are only needed during the forward;
+    # dropping them afterwards frees activations (~0.3 GB for SmolLM2 at 4k) and the cache
+    for module in attention_modules(model):
+        module.__dict__.pop(_CTX_ATTR, None)
 
 
 def context(module: nn.Module) -> dict[str, Any]:
@@ -109,6 +117,8 @@ def install(model: nn.Module) -> nn.Module:
         if _HOOK_ATTR not in module.__dict__:
             module.__dict__[_HOOK_ATTR] = module.register_forward_pre_hook(
                 _record_context, with_kwargs=True)
+    if _CLEAR_ATTR not in model.__dict__:
+        model.__dict__[_CLEAR_ATTR] = model.register_forward_hook(_clear_contexts)
     return model
 
 
@@ -118,6 +128,9 @@ def uninstall(model: nn.Module) -> nn.Module:
         prev = cfg.__dict__.pop(_PREV_IMPL_ATTR, None)
         if prev is not None:
             cfg._attn_implementation = prev
+    clear = model.__dict__.pop(_CLEAR_ATTR, None)
+    if clear is not None:
+        clear.remove()
     for module in attention_modules(model):
         handle = module.__dict__.pop(_HOOK_ATTR, None)
         if handle is not None:

@@ -134,14 +134,20 @@ def test_sinks_never_evicted_and_ungated_layers(tiny_llama):
 def test_previous_layer_gating_reads_previous_input(tiny_llama):
     x, _ = _inputs(False)
     kvgate.patch(tiny_llama, GateConfig(gamma=0.0, previous_layer=True))
-    tiny_llama(x)
-    from kvgate.models.dispatch import attention_modules, context
+    from kvgate.models.dispatch import attention_modules, tapped
 
+    seen = {}
+
+    def tap(module, q, k, v, mask, scaling, ctx):
+        seen[module.layer_idx] = (ctx["hidden"], ctx["position_embeddings"])
+
+    with tapped(tiny_llama, tap):
+        tiny_llama(x)
     attn0, attn1 = attention_modules(tiny_llama)
     gate1 = attn1.kv_gate
     # layer 1's flags are computed from layer 0's input (so gates can run ahead of attention)
-    from_prev = gate1(context(attn0)["hidden"], context(attn1)["position_embeddings"])
-    from_own = gate1(context(attn1)["hidden"], context(attn1)["position_embeddings"])
+    from_prev = gate1(seen[0][0], seen[1][1])
+    from_own = gate1(seen[1][0], seen[1][1])
     assert torch.equal(gate1.last.gate, from_prev)
     assert not torch.equal(gate1.last.gate, from_own)
 
