@@ -4,7 +4,7 @@ Examples:
     python infer.py --model smollm2-135m --policy snapkv --budget 0.5 --prompt "Hello"
     python infer.py --model smollm2-135m --policy h2o --budget 128 --policy-opt recent=32 \\
         --prompt-file prompts.txt --max-new-tokens 64
-    python infer.py --checkpoint runs/cpt_demo/export --policy attention_gate --prompt "..."
+    python infer.py --checkpoint runs/cpt_demo/gated --policy attention_gate --prompt "..."
 
 ``--budget`` is a ratio of each prompt's real length (0.5 keeps half the entries of every KV
 head) or, as an integer > 1, a token count. ``--prompt-file`` holds one prompt per line.

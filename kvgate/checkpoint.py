@@ -1,0 +1,300 @@
+"""The gated-checkpoint format: what training exports and inference loads.
+
+A gated checkpoint is a folder::
+
+    kvgate_config.json   format version, base model id + fingerprint, gate config,
+                         training config, final metrics, size + sha256 of every file below
+    gates.safetensors    gate weights, keys "<layer>.<param>" (absent when nothing is gated)
+    adapter/             the LoRA adapter in peft's own format (absent without LoRA)
+    merged/              with --merge: the base with LoRA merged in, a Hugging Face folder
+    tokenizer/           the tokenizer, so loading needs nothing but the base weights
+
+Only safetensors and JSON: nothing is unpickled. The folder is written in a temporary sibling
+and renamed into place, so a failed export leaves no half-written checkpoint behind.
+
+This module never imports the training package: inference depends on it alone.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+FORMAT = "kvgate-gated"
+FORMAT_VERSION = 1
+CONFIG_NAME = "kvgate_config.json"
+GATES_NAME = "gates.safetensors"
+ADAPTER_DIR = "adapter"
+MERGED_DIR = "merged"
+TOKENIZER_DIR = "tokenizer"
+
+
+class CheckpointError(RuntimeError):
+    """A gated checkpoint is missing, damaged, of an unknown version, or does not fit the base
+    model it is loaded onto; the message names the file or field."""
+
+
+# ----------------------------------------------------------------------------- helpers
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _inventory(root: Path) -> dict[str, dict[str, Any]]:
+    """Size and sha256 of every file under ``root`` except the config, by relative path."""
+    files = {}
+    for path in sorted(p for p in root.rglob("*") if p.is_file()):
+        rel = path.relative_to(root).as_posix()
+        if rel != CONFIG_NAME:
+            files[rel] = {"bytes": path.stat().st_size, "sha256": _sha256(path)}
+    return files
+
+
+def _unwrap(model: nn.Module) -> nn.Module:
+    """The transformers model inside a peft wrapper (or the model itself)."""
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
+def _has_lora(model: nn.Module) -> bool:
+    return hasattr(model, "peft_config") and any(".lora_" in n for n, _ in model.named_parameters())
+
+
+def gate_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Gate tensors keyed ``"<layer>.<param>"``: independent of peft's name prefixes."""
+    from kvgate.gate import gate_modules
+
+    return {f"{i}.{k}": v.detach().to("cpu", torch.float32).contiguous()
+            for i, gate in enumerate(gate_modules(model)) for k, v in gate.state_dict().items()}
+
+
+def merged_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Base weights with every LoRA update added (W + scale * B @ A), without changing
+    ``model``; gate tensors are left out (they go to gates.safetensors)."""
+    base = _unwrap(model)
+    deltas = {}
+    for name, module in base.named_modules():
+        if hasattr(module, "get_delta_weight") and hasattr(module, "base_layer"):
+            for adapter in getattr(module, "active_adapters", []):
+                delta = module.get_delta_weight(adapter).detach()
+                deltas[f"{name}.weight"] = deltas.get(f"{name}.weight", 0) + delta
+    state = {}
+    for key, value in base.state_dict().items():
+        if ".lora_" in key or "kv_gate." in key:
+            continue
+        key = key.replace(".base_layer.", ".")
+        value = value.detach()
+        if key in deltas:
+            value = (value.float() + deltas[key].float()).to(value.dtype)
+        state[key] = value.to("cpu").contiguous()
+    return state
+
+
+# ------------------------------------------------------------------------------ export
+def export_gated(model: nn.Module, out: str | os.PathLike, *, base_model: str, fingerprint: str,
+                 gate_config: Any | None = None, training: dict[str, Any] | None = None,
+                 metrics: dict[str, float] | None = None, tokenizer: Any = None,
+                 merge: bool = False, overwrite: bool = False) -> Path:
+    """Write ``model``'s gates (+ LoRA adapter, or the merged base with ``merge``) to ``out``.
+
+    ``model``: a patched (and/or peft-wrapped) LLaMA/Mistral model. ``gate_config``: the
+    ``GateConfig`` the gates were built with (None when not gated). Returns ``out``.
+    Raises ``CheckpointError`` when ``out`` exists and ``overwrite`` is False.
+    """
+    from safetensors.torch import save_file
+
+    out = Path(out)
+    if out.exists() and not overwrite:
+        raise CheckpointError(f"{out}: already exists (pass overwrite=True / --overwrite)")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        gates = gate_state(model)
+        if gates:
+            save_file(gates, str(tmp / GATES_NAME), metadata={"format": FORMAT})
+        lora = _has_lora(model)
+        if lora and merge:
+            base = _unwrap(model)
+            base.save_pretrained(tmp / MERGED_DIR, state_dict=merged_state(model))
+        elif lora:
+            model.save_pretrained(tmp / ADAPTER_DIR)
+            (tmp / ADAPTER_DIR / "README.md").unlink(missing_ok=True)  # peft's model card
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp / TOKENIZER_DIR)
+            if lora and merge:
+                tokenizer.save_pretrained(tmp / MERGED_DIR)
+        meta = {
+            "format": FORMAT,
+            "format_version": FORMAT_VERSION,
+            "base": {"id": base_model, "fingerprint": fingerprint},
+            "gate": gate_config.to_dict() if gate_config is not None else None,
+            "lora": lora and not merge,
+            "merged": lora and merge,
+            "training": training or {},
+            "metrics": metrics or {},
+            "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "files": _inventory(tmp),
+        }
+        with open(tmp / CONFIG_NAME, "w", encoding="utf-8") as f:
+            json.dump(meta, f, indent=2, sort_keys=True, default=str)
+        _replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+def _replace(tmp: Path, out: Path) -> None:
+    """Move the finished ``tmp`` folder to ``out``; an old ``out`` survives until then."""
+    old = None
+    if out.exists():
+        old = out.with_name(f".{out.name}.old-{os.getpid()}")
+        out.rename(old)
+    try:
+        tmp.rename(out)
+    except BaseException:
+        if old is not None:
+            old.rename(out)
+        raise
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+# -------------------------------------------------------------------------------- load
+def read_meta(path: str | os.PathLike, verify: bool = True) -> dict[str, Any]:
+    """Parse and check ``kvgate_config.json``; with ``verify`` also every listed file's
+    size and sha256. Raises ``CheckpointError`` naming what is wrong."""
+    root = Path(path)
+    if not root.is_dir():
+        raise CheckpointError(f"{root}: no such checkpoint folder")
+    config = root / CONFIG_NAME
+    if not config.is_file():
+        raise CheckpointError(f"{root}: not a gated checkpoint ({CONFIG_NAME} is missing)")
+    try:
+        with open(config, encoding="utf-8") as f:
+            meta = json.load(f)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise CheckpointError(f"{config}: corrupt or truncated ({err})") from None
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        raise CheckpointError(f"{config}: not a {FORMAT} config")
+    version = meta.get("format_version")
+    if version != FORMAT_VERSION:
+        raise CheckpointError(
+            f"{config}: unknown format_version {version!r} (this kvgate reads {FORMAT_VERSION})")
+    for key in ("base", "files"):
+        if not isinstance(meta.get(key), dict):
+            raise CheckpointError(f"{config}: field {key!r} is missing or malformed")
+    if verify:
+        for rel, info in meta["files"].items():
+            file = root / rel
+            if not file.is_file():
+                raise CheckpointError(f"{file}: missing (listed in {CONFIG_NAME})")
+            size = file.stat().st_size
+            if size != info.get("bytes"):
+                raise CheckpointError(
+                    f"{file}: truncated or corrupt ({size} bytes, expected {info.get('bytes')})")
+            if _sha256(file) != info.get("sha256"):
+                raise CheckpointError(f"{file}: corrupt (sha256 does not match {CONFIG_NAME})")
+    return meta
+
+
+def _load_base_for(meta: dict[str, Any], root: Path, base: Any, dtype: Any) -> tuple[Any, Any]:
+    from kvgate.models import load_base
+
+    if meta.get("merged"):
+        if base is not None:
+            raise CheckpointError(f"{root}: holds its own merged base ({MERGED_DIR}/); "
+                                  "do not pass base=")
+        return load_base(str(root / MERGED_DIR), dtype=dtype)
+    if base is None:
+        return load_base(meta["base"]["id"], dtype=dtype)
+    if isinstance(base, (str, os.PathLike)):
+        return load_base(str(base), dtype=dtype)
+    if isinstance(base, tuple):
+        return base
+    return base, None
+
+
+def load_gated(path: str | os.PathLike, base: Any = None, dtype: torch.dtype | str = torch.float32,
+               device: str | torch.device = "cpu", merge_lora: bool = True,
+               verify: bool = True) -> tuple[nn.Module, Any, dict[str, Any]]:
+    """Rebuild a gated model from an exported folder -> (model, tokenizer, meta).
+
+    base: None (load the recorded base id), a name/path for ``kvgate.models.load_base``, a
+    loaded model, or a (model, tokenizer) pair. Its architecture fingerprint must match the
+    checkpoint's. dtype: of the base weights (gates stay fp32). merge_lora: fold LoRA into
+    the weights and return a plain transformers model (default; faster, and what the cache
+    and engine expect); False keeps peft's wrapper, whose logits equal training's bit for bit.
+    Raises ``CheckpointError`` on a mismatched base, a missing/corrupt file or an unknown
+    format version. The model is returned in eval mode with every parameter frozen.
+    """
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    from kvgate.gate import GateConfig, gate_modules, patch
+    from kvgate.models import model_fingerprint
+
+    root = Path(path)
+    meta = read_meta(root, verify=verify)
+    model, tokenizer = _load_base_for(meta, root, base, dtype)
+    found = model_fingerprint(_unwrap(model).config)
+    want = meta["base"].get("fingerprint")
+    if found != want:
+        raise CheckpointError(
+            f"{root}: base model mismatch: the checkpoint was trained on "
+            f"{meta['base'].get('id')!r} (fingerprint {want}), the given base has fingerprint "
+            f"{found}")
+    if meta.get("lora"):
+        from peft import PeftModel
+
+        adapter = root / ADAPTER_DIR
+        if not (adapter / "adapter_config.json").is_file():
+            raise CheckpointError(f"{adapter}: missing (the config says the checkpoint has LoRA)")
+        try:
+            model = PeftModel.from_pretrained(model, str(adapter), is_trainable=False)
+        except (OSError, ValueError, SafetensorError) as err:
+            raise CheckpointError(f"{adapter}: cannot be loaded ({str(err).splitlines()[0]})") from None
+        if merge_lora:
+            model = model.merge_and_unload()
+    if meta.get("gate") is not None:
+        try:
+            config = GateConfig.from_dict(meta["gate"])
+        except (TypeError, ValueError) as err:
+            raise CheckpointError(f"{root / CONFIG_NAME}: bad gate config ({err})") from None
+        patch(model, config)
+        file = root / GATES_NAME
+        if not file.is_file():
+            raise CheckpointError(f"{file}: missing (the config says the model is gated)")
+        try:
+            tensors = load_file(str(file))
+        except (SafetensorError, OSError) as err:
+            raise CheckpointError(f"{file}: corrupt or truncated ({err})") from None
+        for i, gate in enumerate(gate_modules(model)):
+            prefix = f"{i}."
+            part = {k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)}
+            try:
+                gate.load_state_dict(part, strict=True)
+            except RuntimeError as err:
+                raise CheckpointError(f"{file}: does not fit layer {i}'s gate "
+                                      f"({str(err).splitlines()[0]})") from None
+        extra = len(tensors) - sum(len(g.state_dict()) for g in gate_modules(model))
+        if extra:
+            raise CheckpointError(f"{file}: {extra} tensor(s) for layers the base does not have")
+    tok_dir = root / TOKENIZER_DIR
+    if tok_dir.is_dir():
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(str(tok_dir))
+    model.requires_grad_(False)
+    return model.to(device).eval(), tokenizer, meta

@@ -1,0 +1,165 @@
+"""Training callbacks: tokens/s, eviction-pattern images, and export of the gated checkpoint."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+from lightning.pytorch.callbacks import Callback, LearningRateMonitor
+from lightning.pytorch.utilities import rank_zero_only, rank_zero_warn
+from torch import Tensor
+
+
+class TokensPerSecond(Callback):
+    """Logs ``perf/tokens_per_s``: real (non-padding) tokens of all ranks per wall second,
+    averaged since the first step (which is excluded: it pays for warm-up and allocation).
+
+    The interval between consecutive batch ends covers the whole step (data, forward,
+    backward, optimiser) without a device synchronisation per step.
+    """
+
+    def __init__(self) -> None:
+        self.tokens = 0
+        self.seconds = 0.0
+        self._last: float | None = None
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any,
+                           batch: Any, batch_idx: int) -> None:
+        now = time.perf_counter()
+        if self._last is not None:
+            self.tokens += int(batch["attention_mask"].sum()) * trainer.world_size
+            self.seconds += now - self._last
+            pl_module.log("perf/tokens_per_s", self.tokens_per_s, batch_size=1, rank_zero_only=True)
+        self._last = now
+
+    def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._last = None  # validation time is not training time
+
+
+def retention_figure(per_head: Tensor):
+    """Heat map of retention [L, H_gate] (rows = layers, columns = gated heads)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    data = per_head.detach().float().cpu().numpy()
+    fig, ax = plt.subplots(figsize=(max(3.5, 1.5 + 0.5 * data.shape[1]), 1.0 + 0.22 * data.shape[0]))
+    im = ax.imshow(data, vmin=0.0, vmax=1.0, cmap="viridis", aspect="auto")
+    ax.set_xlabel("gated head")
+    ax.set_ylabel("layer")
+    ax.set_title("retention (1 = keep)")
+    fig.colorbar(im, ax=ax)
+    fig.tight_layout()
+    return fig
+
+
+def token_flags_figure(flags: Tensor, counted: Tensor | None = None):
+    """Keep flags of one sample, tokens x layers (the paper's Figure 1 view): ``flags``
+    [L, H_gate, n] -> image [L, n] of the share of heads that keep each token."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    data = flags.detach().float().mean(1)
+    if counted is not None:
+        data = data[:, counted.bool()]
+    data = data.cpu().numpy()
+    fig, ax = plt.subplots(figsize=(min(16.0, 2.0 + 0.04 * data.shape[1]), 1.0 + 0.22 * data.shape[0]))
+    im = ax.imshow(data, vmin=0.0, vmax=1.0, cmap="gray", aspect="auto", interpolation="nearest")
+    ax.set_xlabel("token")
+    ax.set_ylabel("layer")
+    ax.set_title("kept share of heads per token (white = kept)")
+    fig.colorbar(im, ax=ax)
+    fig.tight_layout()
+    return fig
+
+
+class EvictionImageLogger(Callback):
+    """Every ``every_n_steps`` optimiser steps, draws retention per layer x head and the
+    tokens x layers flags of the batch's first sample into TensorBoard."""
+
+    def __init__(self, every_n_steps: int = 100) -> None:
+        self.every_n_steps = every_n_steps
+        self._step = 0  # the optimiser step whose flags are being captured
+
+    def _due(self, trainer: L.Trainer) -> bool:
+        return self.every_n_steps > 0 and trainer.global_step % self.every_n_steps == 0
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any,
+                             batch_idx: int) -> None:
+        if self._due(trainer) and trainer.is_global_zero:
+            pl_module.capture_flags = True
+            self._step = trainer.global_step
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any,
+                           batch: Any, batch_idx: int) -> None:
+        flags = getattr(pl_module, "last_flags", None)
+        if flags is None or not trainer.is_global_zero:
+            return
+        pl_module.last_flags = None
+        per_head = pl_module.last_stats.get("retention_per_head")
+        figures = {"eviction/tokens_x_layers": token_flags_figure(flags, pl_module.last_counted)}
+        if per_head is not None:
+            figures["eviction/layers_x_heads"] = retention_figure(per_head)
+        self._write(trainer, figures, self._step)
+
+    @staticmethod
+    def _write(trainer: L.Trainer, figures: dict[str, Any], step: int) -> None:
+        import matplotlib.pyplot as plt
+
+        for logger in trainer.loggers:
+            add_figure = getattr(getattr(logger, "experiment", None), "add_figure", None)
+            if callable(add_figure):
+                for tag, fig in figures.items():
+                    add_figure(tag, fig, global_step=step, close=False)
+        for fig in figures.values():
+            plt.close(fig)
+
+
+class ExportGated(Callback):
+    """At the end of ``fit``, writes the gated checkpoint (``kvgate.checkpoint`` format) to
+    ``dirpath`` (default ``<log_dir>/gated``) from rank 0."""
+
+    def __init__(self, dirpath: str | None = None, merge: bool = False) -> None:
+        self.dirpath = dirpath
+        self.merge = merge
+        self.written: Path | None = None
+
+    def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if trainer.interrupted:
+            return
+        if "deepspeed" in type(trainer.strategy).__name__.lower() \
+                and getattr(trainer.strategy, "zero_stage_3", False):
+            rank_zero_warn("ExportGated: ZeRO-3 shards the parameters; export from the "
+                           "consolidated checkpoint with `python -m kvgate.export` instead")
+            return
+        # every rank asks for log_dir: under DDP it is a collective (a broadcast)
+        out = Path(self.dirpath) if self.dirpath else \
+            Path(trainer.log_dir or trainer.default_root_dir) / "gated"
+        self._export(trainer, pl_module, out)
+
+    @rank_zero_only
+    def _export(self, trainer: L.Trainer, pl_module: L.LightningModule, out: Path) -> None:
+        from kvgate.export import export_module
+
+        self.written = export_module(pl_module, out, merge=self.merge, overwrite=True,
+                                     global_step=trainer.global_step)
+
+
+def default_callbacks(module: L.LightningModule) -> list[Callback]:
+    """What every KVGateModule run logs: tokens/s, learning rates, eviction images."""
+    callbacks: list[Callback] = [TokensPerSecond()]
+    trainer = getattr(module, "_trainer", None)
+    if trainer is not None and trainer.loggers:
+        callbacks.append(LearningRateMonitor(logging_interval="step"))
+    if getattr(module, "gated", False) and module.image_every_n_steps > 0:
+        callbacks.append(EvictionImageLogger(module.image_every_n_steps))
+    return callbacks

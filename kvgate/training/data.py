@@ -1,0 +1,426 @@
+"""Lightning data modules: packed continual pre-training (CPT) and per-task SFT.
+
+Both produce the batch contract of ``kvgate.training.module``:
+``input_ids`` [B, n] long, ``attention_mask`` [B, n] long, ``labels`` [B, n] long
+(-100 = no loss), and for SFT ``prompt_mask`` [B, n] bool (the context tokens). SFT
+validation batches score every option: each example contributes one row per choice and the
+batch adds ``example_index`` [M], ``choice_index`` [M] and ``gold`` [E].
+
+Data position: the training order is a seeded permutation per epoch (``ResumableSampler``),
+and the data module counts the batches the model has consumed in its ``state_dict``, which
+Lightning stores in every checkpoint. On ``--ckpt_path last`` the sampler skips exactly those
+batches, so a resumed run sees the same sequence of batches as an uninterrupted one.
+
+The tokenizer comes from the model (``KVGateModule.tokenizer``, loaded in ``configure_model``):
+datasets are built lazily in ``train_dataloader``/``val_dataloader``, which Lightning calls
+after ``configure_model``. Outside a Trainer, set ``datamodule.tokenizer`` yourself.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable, Iterator, Sequence
+from functools import partial
+from typing import Any, Literal
+
+import lightning as L
+import torch
+from torch import Tensor
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
+
+from kvgate.training.errors import TrainingConfigError
+
+SFT_TASKS = ("piqa", "arc_challenge", "rte", "copa", "boolq", "openbookqa")
+CorpusSource = Literal["embedded", "files", "redpajama"]
+
+
+# --------------------------------------------------------------------------- sampling
+class ResumableSampler(DistributedSampler):
+    """A seeded, epoch-dependent permutation sharded over ranks that can skip the first
+    ``k`` samples of one epoch (the part of it a checkpoint already consumed).
+
+    Subclassing ``DistributedSampler`` keeps Lightning from replacing it under DDP; rank and
+    world size are passed explicitly so it also works without a process group.
+    """
+
+    def __init__(self, dataset: Dataset, num_replicas: int = 1, rank: int = 0,
+                 shuffle: bool = True, seed: int = 0) -> None:
+        super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=shuffle,
+                         seed=seed, drop_last=False)
+        self._skip_epoch: int | None = None
+        self._skip = 0
+
+    def skip(self, epoch: int, samples: int) -> None:
+        """Skip the first ``samples`` indices of this rank's order in ``epoch`` (once)."""
+        self._skip_epoch, self._skip = epoch, max(0, samples)
+
+    def __iter__(self) -> Iterator[int]:
+        indices = list(super().__iter__())
+        if self._skip_epoch == self.epoch:
+            indices = indices[self._skip:]
+            self._skip_epoch, self._skip = None, 0
+        yield from indices
+
+
+class ResumableLoader(DataLoader):
+    """A DataLoader that reports its data module's position to Lightning's loop state
+    (so Lightning knows the loader is resumable) and restores it the same way."""
+
+    def __init__(self, *args, datamodule: KVGateDataModule, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._datamodule = datamodule
+
+    def state_dict(self) -> dict[str, Any]:
+        return self._datamodule.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        # idempotent with the data module's own restore: both set the same skip
+        self._datamodule.load_state_dict(state)
+        self._datamodule.apply_resume()
+
+
+# --------------------------------------------------------------------------- datasets
+class TensorRows(Dataset):
+    """A list of per-example payloads (dicts of lists/ints), collated later."""
+
+    def __init__(self, rows: Sequence[Any]) -> None:
+        self.rows = list(rows)
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, i: int) -> Any:
+        return self.rows[i]
+
+
+def pack_documents(docs: Sequence[Sequence[int]], seq_len: int, eos_id: int | None) -> Tensor:
+    """Concatenate tokenised documents (EOS between them) and cut into blocks.
+
+    Returns [N, seq_len] long; the tail shorter than ``seq_len`` is dropped.
+    """
+    stream: list[int] = []
+    for doc in docs:
+        stream.extend(doc)
+        if eos_id is not None:
+            stream.append(eos_id)
+    n = len(stream) // seq_len
+    return torch.tensor(stream[: n * seq_len], dtype=torch.long).view(n, seq_len)
+
+
+def encode_prompt_answer(tokenizer, context: str, answer: str, max_len: int) -> tuple[list[int], int]:
+    """Token ids of ``context + answer`` and the prompt length.
+
+    The two parts are tokenised separately so the boundary is exact (the answer's tokens are
+    exactly the loss/scoring positions). A too-long prompt is cut from the left: the end of
+    the context, next to the answer, matters most.
+    """
+    prompt = tokenizer(context, add_special_tokens=True)["input_ids"]
+    target = tokenizer(answer, add_special_tokens=False)["input_ids"]
+    if not target:
+        raise TrainingConfigError(f"answer {answer!r} tokenises to nothing")
+    target = target[: max_len - 1]
+    prompt = prompt[-(max_len - len(target)):]
+    return prompt + target, len(prompt)
+
+
+def collate_sft(rows: Sequence[tuple[list[int], int]], pad_id: int) -> dict[str, Tensor]:
+    """Right-pad (ids, prompt_len) rows into the SFT batch; labels only on answer tokens."""
+    n = max(len(ids) for ids, _ in rows)
+    b = len(rows)
+    input_ids = torch.full((b, n), pad_id, dtype=torch.long)
+    attention = torch.zeros(b, n, dtype=torch.long)
+    prompt_mask = torch.zeros(b, n, dtype=torch.bool)
+    for i, (ids, plen) in enumerate(rows):
+        input_ids[i, : len(ids)] = torch.tensor(ids, dtype=torch.long)
+        attention[i, : len(ids)] = 1
+        prompt_mask[i, :plen] = True
+    answer = attention.bool() & ~prompt_mask
+    labels = torch.where(answer, input_ids, torch.full_like(input_ids, -100))
+    return {"input_ids": input_ids, "attention_mask": attention, "labels": labels,
+            "prompt_mask": prompt_mask}
+
+
+def collate_options(examples: Sequence[dict[str, Any]], pad_id: int) -> dict[str, Tensor]:
+    """One row per (example, choice) for option scoring, plus the index tensors."""
+    rows, ex_idx, ch_idx = [], [], []
+    for e, ex in enumerate(examples):
+        for c, row in enumerate(ex["rows"]):
+            rows.append(row)
+            ex_idx.append(e)
+            ch_idx.append(c)
+    batch = collate_sft(rows, pad_id)
+    batch["example_index"] = torch.tensor(ex_idx, dtype=torch.long)
+    batch["choice_index"] = torch.tensor(ch_idx, dtype=torch.long)
+    batch["gold"] = torch.tensor([ex["gold"] for ex in examples], dtype=torch.long)
+    return batch
+
+
+def collate_blocks(rows: Sequence[Tensor]) -> dict[str, Tensor]:
+    """Packed CPT blocks [seq_len] -> batch with every token labelled."""
+    ids = torch.stack(list(rows))
+    return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}
+
+
+# --------------------------------------------------------------------------- modules
+class KVGateDataModule(L.LightningDataModule):
+    """Shared machinery: tokenizer lookup, seeded resumable order, loaders, data position."""
+
+    def __init__(self, batch_size: int = 4, val_batch_size: int | None = None, seed: int = 0,
+                 num_workers: int = 0) -> None:
+        super().__init__()
+        if not isinstance(batch_size, int) or batch_size < 1:
+            raise TrainingConfigError(f"data.batch_size: must be a positive integer (got {batch_size!r})")
+        if val_batch_size is not None and val_batch_size < 1:
+            raise TrainingConfigError(f"data.val_batch_size: must be >= 1 (got {val_batch_size!r})")
+        if num_workers < 0:
+            raise TrainingConfigError(f"data.num_workers: must be >= 0 (got {num_workers!r})")
+        self.batch_size = batch_size
+        self.val_batch_size = val_batch_size or batch_size
+        self.seed = seed
+        self.num_workers = num_workers
+        self.tokenizer = None  # set by hand, or taken from the attached LightningModule
+        self._train: Dataset | None = None
+        self._val: Dataset | None = None
+        self._sampler: ResumableSampler | None = None
+        # data position: batches of the current epoch the model has consumed
+        self._pos_epoch = 0
+        self._pos_batches = 0
+        self._resume: tuple[int, int] | None = None
+
+    # -- subclasses build these from token ids
+    def build_train(self, tokenizer) -> Dataset:
+        raise NotImplementedError
+
+    def build_val(self, tokenizer) -> Dataset | None:
+        return None
+
+    def collate_train(self, pad_id: int) -> Callable:
+        """A picklable collate function for training batches (workers may pickle it)."""
+        raise NotImplementedError
+
+    def collate_val(self, pad_id: int) -> Callable:
+        return self.collate_train(pad_id)
+
+    # -- tokenizer
+    def get_tokenizer(self):
+        if self.tokenizer is not None:
+            return self.tokenizer
+        module = self.trainer.lightning_module if self._trainer_attached() else None
+        tok = getattr(module, "tokenizer", None)
+        if tok is None:
+            raise TrainingConfigError(
+                "data: no tokenizer: attach the data module to a Trainer whose model is built, "
+                "or set datamodule.tokenizer")
+        return tok
+
+    def _trainer_attached(self) -> bool:
+        return getattr(self, "trainer", None) is not None
+
+    def pad_id(self) -> int:
+        tok = self.get_tokenizer()
+        pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+        return 0 if pad is None else int(pad)
+
+    # -- loaders
+    def train_dataset(self) -> Dataset:
+        if self._train is None:
+            self._train = self.build_train(self.get_tokenizer())
+            if len(self._train) == 0:
+                raise TrainingConfigError("data: the training set is empty after tokenisation")
+        return self._train
+
+    def val_dataset(self) -> Dataset | None:
+        if self._val is None:
+            self._val = self.build_val(self.get_tokenizer())
+        return self._val
+
+    def train_dataloader(self) -> DataLoader:
+        dataset = self.train_dataset()
+        world, rank = (self.trainer.world_size, self.trainer.global_rank) \
+            if self._trainer_attached() else (1, 0)
+        self._sampler = ResumableSampler(dataset, num_replicas=world, rank=rank, seed=self.seed)
+        self.apply_resume()
+        return ResumableLoader(dataset, batch_size=self.batch_size, sampler=self._sampler,
+                               collate_fn=self.collate_train(self.pad_id()),
+                               num_workers=self.num_workers, datamodule=self)
+
+    def apply_resume(self) -> None:
+        """Make the sampler skip the batches a restored checkpoint already consumed."""
+        if self._resume is not None and self._sampler is not None:
+            epoch, batches = self._resume
+            self._sampler.skip(epoch, batches * self.batch_size)
+            self._resume = None
+
+    def val_dataloader(self):
+        dataset = self.val_dataset()
+        if dataset is None or len(dataset) == 0:
+            return []
+        return DataLoader(dataset, batch_size=self.val_batch_size, shuffle=False,
+                          collate_fn=self.collate_val(self.pad_id()),
+                          num_workers=self.num_workers)
+
+    # -- data position
+    def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
+        # runs once per batch right before the training step (after any prefetching), so the
+        # count equals the batches the model has consumed when a checkpoint is written
+        if self._trainer_attached() and self.trainer.training:
+            epoch = self.trainer.current_epoch
+            if epoch != self._pos_epoch:
+                self._pos_epoch, self._pos_batches = epoch, 0
+            self._pos_batches += 1
+        return batch
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"epoch": self._pos_epoch, "batches": self._pos_batches, "seed": self.seed}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state.get("seed", self.seed) != self.seed:
+            raise TrainingConfigError(
+                f"data.seed: the checkpoint's data order used seed {state['seed']}, this run "
+                f"has {self.seed}; resume with the same seed")
+        self._pos_epoch, self._pos_batches = int(state["epoch"]), int(state["batches"])
+        self._resume = (self._pos_epoch, self._pos_batches)
+
+
+class CPTDataModule(KVGateDataModule):
+    """Continual pre-training on packed fixed-length sequences; loss on every token."""
+
+    def __init__(self, source: CorpusSource = "embedded", files: list[str] | None = None,
+                 max_docs: int | None = None, seq_len: int = 256, val_fraction: float = 0.02,
+                 batch_size: int = 4, val_batch_size: int | None = None, seed: int = 0,
+                 num_workers: int = 0) -> None:
+        """
+        Args:
+            source: ``embedded`` (the corpus shipped with kvgate), ``files`` (local .txt /
+                .jsonl files) or ``redpajama`` (the RedPajama sample from the hub).
+            files: the local files for ``source='files'``.
+            max_docs: use at most this many documents (None = all).
+            seq_len: tokens per packed training sequence.
+            val_fraction: share of the documents held out for validation (0 = none).
+        """
+        super().__init__(batch_size, val_batch_size, seed, num_workers)
+        if source not in ("embedded", "files", "redpajama"):
+            raise TrainingConfigError(
+                f"data.source: must be embedded, files or redpajama (got {source!r})")
+        if source == "files" and not files:
+            raise TrainingConfigError("data.files: source='files' needs at least one file")
+        if seq_len < 2:
+            raise TrainingConfigError(f"data.seq_len: must be >= 2 (got {seq_len!r})")
+        if not 0.0 <= val_fraction < 1.0:
+            raise TrainingConfigError(f"data.val_fraction: must lie in [0, 1) (got {val_fraction!r})")
+        if max_docs is not None and max_docs < 1:
+            raise TrainingConfigError(f"data.max_docs: must be >= 1 or null (got {max_docs!r})")
+        self.source = source
+        self.files = list(files or [])
+        self.max_docs = max_docs
+        self.seq_len = seq_len
+        self.val_fraction = val_fraction
+        self._splits: tuple[Tensor, Tensor] | None = None
+
+    def load_documents(self) -> list[str]:
+        from kvgate import data
+        from kvgate.data.redpajama import PAPER_SAMPLES
+
+        if self.source == "embedded":
+            return data.load_corpus(max_docs=self.max_docs, seed=self.seed)
+        if self.source == "files":
+            docs = data.load_text_files(self.files)
+        else:
+            docs = data.load_redpajama_sample(n=self.max_docs or PAPER_SAMPLES,
+                                              seed=self.seed)
+        return docs[: self.max_docs] if self.max_docs else docs
+
+    def _blocks(self, tokenizer) -> tuple[Tensor, Tensor]:
+        if self._splits is None:
+            docs = self.load_documents()
+            order = list(range(len(docs)))
+            random.Random(self.seed).shuffle(order)
+            n_val = round(self.val_fraction * len(docs))
+            if self.val_fraction > 0 and len(docs) > 1:
+                n_val = max(1, n_val)
+            # documents (not blocks) are split so no text is in both sets
+            val_docs = [docs[i] for i in order[:n_val]]
+            train_docs = [docs[i] for i in order[n_val:]]
+            self._splits = (self._pack(tokenizer, train_docs), self._pack(tokenizer, val_docs))
+        return self._splits
+
+    def _pack(self, tokenizer, docs: list[str]) -> Tensor:
+        if not docs:
+            return torch.zeros(0, self.seq_len, dtype=torch.long)
+        ids = tokenizer(docs, add_special_tokens=False)["input_ids"]
+        return pack_documents(ids, self.seq_len, tokenizer.eos_token_id)
+
+    def build_train(self, tokenizer) -> Dataset:
+        return TensorRows(list(self._blocks(tokenizer)[0]))
+
+    def build_val(self, tokenizer) -> Dataset | None:
+        val = self._blocks(tokenizer)[1]
+        return TensorRows(list(val)) if len(val) else None
+
+    def collate_train(self, pad_id: int) -> Callable:
+        return collate_blocks
+
+
+class SFTDataModule(KVGateDataModule):
+    """Supervised fine-tuning on one multiple-choice task: prompt = context, answer = the gold
+    choice, loss on the answer tokens only; validation accuracy by option scoring."""
+
+    def __init__(self, task: Literal["piqa", "arc_challenge", "rte", "copa", "boolq", "openbookqa"] = "rte",
+                 max_len: int = 256, limit_train: int | None = None, limit_val: int | None = None,
+                 source: Literal["embedded", "hub"] = "embedded", test_fraction: float = 0.3,
+                 split_seed: int = 0, batch_size: int = 4, val_batch_size: int | None = None,
+                 seed: int = 0, num_workers: int = 0) -> None:
+        """
+        Args:
+            task: one of piqa, arc_challenge, rte, copa, boolq, openbookqa.
+            max_len: longest prompt + answer in tokens (the prompt is cut from the left).
+            limit_train / limit_val: use at most this many examples (None = all).
+            source: ``embedded`` (the shipped validation split cut into train/test, see
+                ``kvgate.data.splits``) or ``hub`` (the real train/validation splits).
+            test_fraction / split_seed: how the embedded split is cut (ignored for ``hub``).
+        """
+        super().__init__(batch_size, val_batch_size, seed, num_workers)
+        if task not in SFT_TASKS:
+            raise TrainingConfigError(f"data.task: must be one of {', '.join(SFT_TASKS)} (got {task!r})")
+        if max_len < 2:
+            raise TrainingConfigError(f"data.max_len: must be >= 2 (got {max_len!r})")
+        for key, value in (("limit_train", limit_train), ("limit_val", limit_val)):
+            if value is not None and value < 1:
+                raise TrainingConfigError(f"data.{key}: must be >= 1 or null (got {value!r})")
+        if source not in ("embedded", "hub"):
+            raise TrainingConfigError(f"data.source: must be embedded or hub (got {source!r})")
+        if not 0.0 < test_fraction < 1.0:
+            raise TrainingConfigError(
+                f"data.test_fraction: must lie strictly in (0, 1) (got {test_fraction!r})")
+        self.task = task
+        self.source = source
+        self.test_fraction = test_fraction
+        self.split_seed = split_seed
+        self.max_len = max_len
+        self.limit_train = limit_train
+        self.limit_val = limit_val
+
+    def examples(self, part: Literal["train", "test"], limit: int | None):
+        from kvgate.data import load_sft_split
+
+        examples = load_sft_split(self.task, part=part, test_fraction=self.test_fraction,
+                                  seed=self.split_seed, source=self.source)
+        return examples[:limit] if limit else examples
+
+    def build_train(self, tokenizer) -> Dataset:
+        rows = [encode_prompt_answer(tokenizer, ex.context, ex.choices[ex.gold], self.max_len)
+                for ex in self.examples("train", self.limit_train)]
+        return TensorRows(rows)
+
+    def build_val(self, tokenizer) -> Dataset | None:
+        items = []
+        for ex in self.examples("test", self.limit_val):
+            rows = [encode_prompt_answer(tokenizer, ex.context, c, self.max_len) for c in ex.choices]
+            items.append({"rows": rows, "gold": ex.gold})
+        return TensorRows(items)
+
+    def collate_train(self, pad_id: int) -> Callable:
+        return partial(collate_sft, pad_id=pad_id)
+
+    def collate_val(self, pad_id: int) -> Callable:
+        return partial(collate_options, pad_id=pad_id)

@@ -1,0 +1,422 @@
+"""``KVGateModule``: the LightningModule that trains Attention-Gates and/or LoRA on a frozen base.
+
+Three regimes (``train``):
+- ``gates``: only the gates learn, the base is frozen (paper Table 4);
+- ``gates_lora``: gates + LoRA on q/k/v/o (paper Tables 1-2);
+- ``lora``: LoRA only with no gates (the paper's fine-tuned baseline).
+
+Loss = LM loss over the batch's ``labels`` (every token for CPT, answer tokens only for SFT)
++ the eviction loss ``alpha * |mean(gate) - beta|``.
+
+The base model is built in ``configure_model`` (not ``__init__``): every setting is validated
+first, so a config error fails before a multi-GB download or load, and DeepSpeed stage 3 can
+shard the model as it is built. Lightning checkpoints keep only what trains.
+
+Batch contract (see ``kvgate.training.data``): ``input_ids`` [B, n] long, ``attention_mask``
+[B, n] (1 = real token), ``labels`` [B, n] long (-100 = no loss; aligned with ``input_ids``,
+the shift happens in the loss), optional ``prompt_mask`` [B, n] bool (SFT). Option-scoring
+validation batches add ``example_index`` [M], ``choice_index`` [M] and ``gold`` [E].
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, replace
+from typing import Any, Literal
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torchmetrics.classification import MulticlassAccuracy
+
+from kvgate.gate import (
+    GateConfig,
+    clear_records,
+    eviction_loss,
+    gate_modules,
+    patch,
+    prompt_segment,
+    set_gates_trainable,
+)
+from kvgate.recipes.settings import RecipeSettings
+from kvgate.training.errors import TrainingConfigError
+from kvgate.training.lora import LoraSettings, add_lora, lora_parameters
+
+TrainMode = Literal["gates", "gates_lora", "lora"]
+Quantize = Literal["none", "4bit", "8bit"]
+DType = Literal["float32", "bfloat16", "float16"]
+
+CKPT_KEY = "kvgate"  # our entry in a Lightning checkpoint (base id, fingerprint, metrics)
+MAX_CHOICES = 8  # widest multiple-choice task (ARC has up to 5 options)
+
+
+@dataclass
+class OptimSettings:
+    """AdamW with one learning rate for the gates and one for LoRA, linear warm-up then cosine."""
+
+    lr_gate: float = 1e-3  # gates start from scratch: a larger lr than the adapters
+    lr_lora: float = 1e-4  # LoRA A/B matrices
+    weight_decay: float = 0.0  # AdamW decoupled weight decay (both groups)
+    betas: tuple[float, float] = (0.9, 0.999)  # AdamW betas
+    warmup_ratio: float = 0.03  # fraction of all optimiser steps with a linear warm-up
+    min_lr_ratio: float = 0.1  # the cosine ends at lr * min_lr_ratio
+
+    def __post_init__(self) -> None:
+        self.betas = tuple(self.betas)
+        checks = {
+            "lr_gate": self.lr_gate > 0, "lr_lora": self.lr_lora > 0,
+            "weight_decay": self.weight_decay >= 0,
+            "betas": len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas),
+            "warmup_ratio": 0 <= self.warmup_ratio < 1, "min_lr_ratio": 0 <= self.min_lr_ratio <= 1,
+        }
+        for key, ok in checks.items():
+            if not ok:
+                raise TrainingConfigError(
+                    f"OptimSettings.{key}: out of range (got {getattr(self, key)!r})")
+
+
+def lr_factor(step: int, total: int, warmup: int, floor: float) -> float:
+    """Multiplier of the base lr at optimiser step ``step``: linear warm-up over ``warmup``
+    steps, then a half cosine from 1 down to ``floor`` at ``total``."""
+    if warmup > 0 and step < warmup:
+        return (step + 1) / warmup
+    span = max(1, total - warmup)
+    progress = min(1.0, (step - warmup) / span)
+    return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def causal_lm_loss(logits: Tensor, labels: Tensor) -> tuple[Tensor, Tensor]:
+    """Mean next-token cross-entropy over labelled positions.
+
+    logits [B, n, V], labels [B, n] (-100 = ignore, aligned with the inputs) ->
+    (loss scalar, number of predicted tokens). fp32 softmax whatever the logits' dtype.
+    """
+    target = labels[:, 1:]
+    count = (target != -100).sum()
+    flat = logits[:, :-1].reshape(-1, logits.shape[-1]).float()
+    loss = F.cross_entropy(flat, target.reshape(-1), ignore_index=-100, reduction="sum")
+    return loss / count.clamp(min=1), count
+
+
+def sequence_logprob(logits: Tensor, labels: Tensor) -> Tensor:
+    """Sum of log p(label) over labelled positions of every row: [B, n, V], [B, n] -> [B]."""
+    target = labels[:, 1:]
+    logp = torch.log_softmax(logits[:, :-1].float(), dim=-1)
+    picked = logp.gather(-1, target.clamp(min=0)[..., None])[..., 0]
+    return (picked * (target != -100)).sum(-1)
+
+
+def _as(cls, value):
+    """A private copy of a dataclass instance, or one built from a plain dict (a checkpoint's
+    hparams) or None (the defaults)."""
+    if value is None:
+        return cls()
+    if isinstance(value, dict):
+        return cls.from_dict(value) if hasattr(cls, "from_dict") else cls(**value)
+    if not isinstance(value, cls):
+        raise TrainingConfigError(f"expected {cls.__name__} or a dict, got {type(value).__name__}")
+    return replace(value)
+
+
+class KVGateModule(L.LightningModule):
+    """Frozen base + trainable gates and/or LoRA; see the module docstring for the regimes."""
+
+    def __init__(
+        self,
+        base_model: str = "smollm2-135m",
+        train: TrainMode = "gates_lora",
+        gate: GateConfig = GateConfig(),  # noqa: B008 - copied in __init__, never mutated
+        lora: LoraSettings = LoraSettings(),  # noqa: B008
+        optim: OptimSettings = OptimSettings(),  # noqa: B008
+        recipe: RecipeSettings = RecipeSettings(),  # noqa: B008
+        dtype: DType = "float32",
+        quantize: Quantize = "none",
+        gradient_checkpointing: bool = False,
+        image_every_n_steps: int = 100,
+    ) -> None:
+        """
+        Args:
+            base_model: alias (``smollm2-135m``), hub id or local folder of a LLaMA/Mistral model.
+            train: what learns: ``gates``, ``gates_lora`` or ``lora`` (no gates at all).
+            gate: Attention-Gate settings (paper symbols); ignored when ``train='lora'``.
+            lora: LoRA rank/alpha/dropout/targets; ignored when ``train='gates'``.
+            optim: AdamW learning rates and the warm-up + cosine schedule.
+            recipe: small-compute aids (distillation, beta schedule, warm start); the
+                defaults are the paper's plain objective.
+            dtype: dtype of the frozen base weights (gates and LoRA always train in fp32).
+            quantize: load the base 4-bit or 8-bit through bitsandbytes (CUDA only).
+            gradient_checkpointing: recompute decoder layers in the backward pass.
+            image_every_n_steps: log eviction-pattern images every N steps (0 = never).
+        """
+        super().__init__()
+        if train not in ("gates", "gates_lora", "lora"):
+            raise TrainingConfigError(
+                f"KVGateModule.train: must be 'gates', 'gates_lora' or 'lora' (got {train!r})")
+        if dtype not in ("float32", "bfloat16", "float16"):
+            raise TrainingConfigError(
+                f"KVGateModule.dtype: must be float32, bfloat16 or float16 (got {dtype!r})")
+        if not isinstance(image_every_n_steps, int) or image_every_n_steps < 0:
+            raise TrainingConfigError(
+                f"KVGateModule.image_every_n_steps: must be >= 0 (got {image_every_n_steps!r})")
+        _check_quantize(quantize)
+        self.base_model = base_model
+        self.train_mode = train
+        self.gate_cfg = _as(GateConfig, gate)
+        self.lora_cfg = _as(LoraSettings, lora)
+        self.optim_cfg = _as(OptimSettings, optim)
+        self.recipe_cfg = _as(RecipeSettings, recipe)
+        self.dtype_name = dtype
+        self.quantize = quantize
+        self.gradient_checkpointing = gradient_checkpointing
+        self.image_every_n_steps = image_every_n_steps
+        # plain values only, so the checkpoint loads with torch.load(weights_only=True)
+        self.save_hyperparameters({
+            "base_model": base_model, "train": train, "gate": self.gate_cfg.to_dict(),
+            "lora": asdict(self.lora_cfg), "optim": asdict(self.optim_cfg),
+            "recipe": asdict(self.recipe_cfg), "dtype": dtype,
+            "quantize": quantize, "gradient_checkpointing": gradient_checkpointing,
+            "image_every_n_steps": image_every_n_steps,
+        })
+        # the frozen base is not in the Lightning checkpoint, so loading is never strict
+        self.strict_loading = False
+        self.model: nn.Module | None = None
+        self.tokenizer = None
+        self.fingerprint: str | None = None
+        self.val_acc = MulticlassAccuracy(num_classes=MAX_CHOICES, average="micro")
+        self.capture_flags = False  # set by EvictionImageLogger for the step it draws
+        self.last_flags: Tensor | None = None  # [L, H_gate, n] flags of sample 0, on the CPU
+        self.last_counted: Tensor | None = None  # [n] bool: which of those tokens count
+        self.last_stats: dict[str, Tensor] = {}
+        self.final_metrics: dict[str, float] = {}
+
+    # ------------------------------------------------------------------ model
+    @property
+    def gated(self) -> bool:
+        return self.train_mode in ("gates", "gates_lora")
+
+    @property
+    def uses_lora(self) -> bool:
+        return self.train_mode in ("gates_lora", "lora")
+
+    def configure_model(self) -> None:
+        """Load the frozen base, add LoRA, then patch the gates (in that order: peft must
+        never see the gates' own projections). Idempotent."""
+        if self.model is not None:
+            return
+        from kvgate.models import load_base, model_fingerprint
+
+        if self.quantize != "none":
+            model, tokenizer = self._load_quantized()
+        else:
+            model, tokenizer = load_base(self.base_model, dtype=self.dtype_name)
+        self.fingerprint = model_fingerprint(model.config)
+        model.requires_grad_(False)
+        model.config.use_cache = False
+        if self.quantize != "none":
+            from peft import prepare_model_for_kbit_training
+
+            model = prepare_model_for_kbit_training(
+                model, use_gradient_checkpointing=self.gradient_checkpointing)
+        elif self.gradient_checkpointing:
+            model.gradient_checkpointing_enable(
+                gradient_checkpointing_kwargs={"use_reentrant": False})
+        if self.uses_lora:
+            model = add_lora(model, self.lora_cfg)
+            for p in lora_parameters(model):
+                p.data = p.data.float()
+        if self.gated:
+            patch(model, self.gate_cfg)
+            set_gates_trainable(model, True)
+            # gates of ungated layers never run: frozen, so DDP sees no unused parameters
+            for gate in gate_modules(model)[: self.gate_cfg.ungated_layers]:
+                gate.requires_grad_(False)
+        # load_base returns eval mode; gradient checkpointing and LoRA dropout need train mode
+        model.train()
+        self.model = model
+        self.tokenizer = tokenizer
+
+    def _load_quantized(self):
+        """bitsandbytes places the weights at load time, on this rank's GPU (everything else
+        loads on the CPU and the strategy moves it)."""
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        from kvgate.models import check_supported, parse_dtype, resolve_model_id
+
+        source = resolve_model_id(self.base_model)
+        device = self.trainer.strategy.root_device if self._trainer is not None else "cuda"
+        model = AutoModelForCausalLM.from_pretrained(
+            source, quantization_config=_bnb_config(self.quantize, self.dtype_name),
+            dtype=parse_dtype(self.dtype_name), device_map={"": str(device)})
+        check_supported(model.config)
+        tokenizer = AutoTokenizer.from_pretrained(source)
+        if tokenizer.pad_token is None:
+            tokenizer.pad_token = tokenizer.eos_token
+        return model, tokenizer
+
+    def trainable_named_parameters(self) -> list[tuple[str, nn.Parameter]]:
+        return [(n, p) for n, p in self.named_parameters() if p.requires_grad]
+
+    def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None,
+                prompt_mask: Tensor | None = None) -> Tensor:
+        """Logits [B, n, V]; with gates, ``prompt_mask`` marks the prompt for
+        ``prompt_bidirectional`` gates (answer tokens never gated)."""
+        if self.model is None:
+            raise RuntimeError("KVGateModule: the model is not built yet (call configure_model())")
+        if self.gated:
+            with prompt_segment(self.model, prompt_mask):
+                out = self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+        else:
+            out = self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+        return out.logits
+
+    # --------------------------------------------------------------- training
+    def gate_terms(self, batch: dict[str, Tensor]) -> tuple[Tensor, dict[str, Tensor]]:
+        """Eviction loss and retention statistics of the forward that just ran."""
+        loss, stats = eviction_loss(self.model, self.gate_cfg, batch["attention_mask"])
+        if self.capture_flags:
+            from kvgate.gate.loss import gate_records
+
+            records = gate_records(self.model)
+            self.last_flags = torch.stack([r.gate[0].detach() for _, r in records]).float().cpu()
+            self.last_counted = records[0][1].counted[0].detach().cpu()
+            self.capture_flags = False
+        clear_records(self.model)  # the records hold the graph of this forward
+        return loss, stats
+
+    def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
+        logits = self(batch["input_ids"], batch["attention_mask"], batch.get("prompt_mask"))
+        lm, _ = causal_lm_loss(logits, batch["labels"])
+        loss = lm
+        bsz = batch["input_ids"].shape[0]
+        self.log("train/lm_loss", lm, prog_bar=True, batch_size=bsz)
+        if self.gated:
+            ev, stats = self.gate_terms(batch)
+            loss = lm + ev
+            self.last_stats = {k: v.detach() for k, v in stats.items()}
+            self.log("train/evict_loss", ev, batch_size=bsz)
+            self.log("train/retention", stats["retention"], batch_size=bsz)
+            self.log("evict%", stats["evict_pct"], prog_bar=True, batch_size=bsz, logger=False)
+            self.log("train/evict_pct", stats["evict_pct"], batch_size=bsz)
+            per_layer = stats["retention_per_layer"].detach()
+            self.log_dict({f"retention_layer/{i:02d}": v for i, v in enumerate(per_layer)},
+                          batch_size=bsz)
+        self.log("train/loss", loss, batch_size=bsz)
+        return loss
+
+    def validation_step(self, batch: dict[str, Tensor], batch_idx: int) -> None:
+        logits = self(batch["input_ids"], batch["attention_mask"], batch.get("prompt_mask"))
+        bsz = batch["input_ids"].shape[0]
+        if "example_index" in batch:
+            self._score_options(logits, batch)
+        else:
+            lm, _ = causal_lm_loss(logits, batch["labels"])
+            self.log("val/lm_loss", lm, batch_size=bsz, sync_dist=True, prog_bar=True)
+        if self.gated:
+            _, stats = self.gate_terms(batch)
+            self.log("val/retention", stats["retention"], batch_size=bsz, sync_dist=True)
+            self.log("val/evict_pct", stats["evict_pct"], batch_size=bsz, sync_dist=True)
+
+    def _score_options(self, logits: Tensor, batch: dict[str, Tensor]) -> None:
+        """Option scoring: the choice with the highest summed log-likelihood is the answer."""
+        ll = sequence_logprob(logits, batch["labels"])  # [M]
+        gold = batch["gold"]
+        scores = torch.full((gold.shape[0], MAX_CHOICES), float("-inf"), device=ll.device)
+        scores[batch["example_index"], batch["choice_index"]] = ll
+        self.val_acc.update(scores.argmax(-1), gold)
+        self.log("val/acc", self.val_acc, prog_bar=True, batch_size=gold.shape[0])
+
+    def on_train_epoch_end(self) -> None:
+        self._remember_metrics()
+
+    def on_validation_epoch_end(self) -> None:
+        self._remember_metrics()
+
+    def _remember_metrics(self) -> None:
+        if self._trainer is None:
+            return
+        for key, value in self.trainer.callback_metrics.items():
+            if torch.is_tensor(value) and value.numel() == 1:
+                self.final_metrics[key] = float(value)
+
+    # -------------------------------------------------------------- optimiser
+    def configure_optimizers(self):
+        gate_params = [p for g in gate_modules(self.model) for p in g.parameters() if p.requires_grad]
+        lora_params = [p for p in lora_parameters(self.model) if p.requires_grad]
+        groups = []
+        if gate_params:
+            groups.append({"params": gate_params, "lr": self.optim_cfg.lr_gate, "name": "gates"})
+        if lora_params:
+            groups.append({"params": lora_params, "lr": self.optim_cfg.lr_lora, "name": "lora"})
+        if not groups:
+            raise TrainingConfigError(f"KVGateModule.train={self.train_mode!r}: nothing to train")
+        optimizer = torch.optim.AdamW(groups, betas=self.optim_cfg.betas,
+                                      weight_decay=self.optim_cfg.weight_decay)
+        total = self.trainer.estimated_stepping_batches
+        total = int(total) if math.isfinite(total) else 10**9
+        warmup = round(self.optim_cfg.warmup_ratio * total)
+        floor = self.optim_cfg.min_lr_ratio
+        scheduler = torch.optim.lr_scheduler.LambdaLR(
+            optimizer, lambda step: lr_factor(step, total, warmup, floor))
+        return {"optimizer": optimizer,
+                "lr_scheduler": {"scheduler": scheduler, "interval": "step", "name": "lr"}}
+
+    def configure_callbacks(self):
+        from kvgate.training.callbacks import default_callbacks
+
+        return default_callbacks(self)
+
+    # ------------------------------------------------------------- checkpoint
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """Drop the frozen base from the checkpoint: only gates and LoRA (and the optimiser,
+        scheduler, loop and data state Lightning adds) are written."""
+        trainable = {name for name, _ in self.trainable_named_parameters()}
+        checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items()
+                                    if k in trainable}
+        checkpoint[CKPT_KEY] = {
+            "base_model": self.base_model, "fingerprint": self.fingerprint,
+            "metrics": dict(self.final_metrics),
+        }
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        info = checkpoint.get(CKPT_KEY, {})
+        if self.fingerprint and info.get("fingerprint") not in (None, self.fingerprint):
+            raise TrainingConfigError(
+                f"checkpoint was trained on base {info.get('base_model')!r} "
+                f"(fingerprint {info.get('fingerprint')}); this run's base {self.base_model!r} "
+                f"has fingerprint {self.fingerprint}")
+        if self.model is not None:
+            want = {name for name, _ in self.trainable_named_parameters()}
+            missing = sorted(want - set(checkpoint.get("state_dict", {})))
+            if missing:
+                raise TrainingConfigError(
+                    f"checkpoint lacks {len(missing)} trainable tensor(s), e.g. {missing[0]!r}: "
+                    f"it was written with another train/gate/lora setting")
+        self.final_metrics.update(info.get("metrics", {}))
+
+
+def _check_quantize(quantize: str) -> None:
+    if quantize == "none":
+        return
+    if quantize not in ("4bit", "8bit"):
+        raise TrainingConfigError(
+            f"KVGateModule.quantize: must be 'none', '4bit' or '8bit' (got {quantize!r})")
+    if not torch.cuda.is_available():
+        raise TrainingConfigError(
+            f"KVGateModule.quantize={quantize!r} needs a CUDA GPU: bitsandbytes' CPU path gives "
+            "wrong LoRA gradients; use quantize: none on the CPU")
+    import importlib.util
+
+    if importlib.util.find_spec("bitsandbytes") is None:
+        raise TrainingConfigError(
+            f"KVGateModule.quantize={quantize!r} needs bitsandbytes: pip install 'kvgate[bnb]'")
+
+
+def _bnb_config(quantize: str, dtype: str):
+    from transformers import BitsAndBytesConfig
+
+    if quantize == "8bit":
+        return BitsAndBytesConfig(load_in_8bit=True)
+    compute = torch.bfloat16 if dtype == "bfloat16" else torch.float16
+    return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
+                              bnb_4bit_use_double_quant=True, bnb_4bit_compute_dtype=compute)

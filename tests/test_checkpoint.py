@@ -1,0 +1,189 @@
+"""Gated checkpoint format: export -> load_gated round trips, and every way it refuses input."""
+
+from __future__ import annotations
+
+import json
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from training.kvtrain_fixtures import SyntheticCPT, save_tiny_base
+
+from kvgate.checkpoint import CONFIG_NAME, GATES_NAME, CheckpointError, load_gated, read_meta
+from kvgate.export import export_module
+from kvgate.export import main as export_main
+from kvgate.gate import gate_modules
+from kvgate.training.module import KVGateModule
+
+
+@pytest.fixture(scope="module")
+def bases(tmp_path_factory):
+    root = tmp_path_factory.mktemp("bases")
+    return {"llama": save_tiny_base(root / "llama"),
+            "other": save_tiny_base(root / "other", hidden_size=32, intermediate_size=64)}
+
+
+def trained_module(base: str, train: str = "gates_lora") -> KVGateModule:
+    """A built module whose LoRA and gates hold non-trivial values (as after training)."""
+    torch.manual_seed(1)
+    module = KVGateModule(base_model=base, train=train, image_every_n_steps=0)
+    module.configure_model()
+    with torch.no_grad():
+        for name, p in module.model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0.0, 0.2)
+    return module.eval()
+
+
+def logits_of(model, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(4, 100, (2, 24), generator=g)
+    mask = torch.ones_like(ids)
+    mask[1, 18:] = 0
+    with torch.no_grad():
+        return model(input_ids=ids, attention_mask=mask, use_cache=False).logits
+
+
+@pytest.fixture(scope="module")
+def exported(bases, tmp_path_factory):
+    module = trained_module(bases["llama"])
+    out = export_module(module, tmp_path_factory.mktemp("exp") / "gated")
+    return module, out
+
+
+def test_round_trip_gives_identical_logits(exported):
+    module, out = exported
+    model, tokenizer, meta = load_gated(out, merge_lora=False)
+    assert len(gate_modules(model)) == len(gate_modules(module.model)) > 0
+    assert torch.equal(logits_of(model), logits_of(module.model))
+    # the default folds LoRA in: a plain transformers model, equal up to rounding
+    merged, _, _ = load_gated(out)
+    assert not hasattr(merged, "peft_config") and len(gate_modules(merged)) > 0
+    torch.testing.assert_close(logits_of(merged), logits_of(module.model), atol=1e-4, rtol=1e-4)
+    assert tokenizer is not None and meta["base"]["fingerprint"] == module.fingerprint
+    assert meta["gate"] == module.gate_cfg.to_dict() and meta["lora"] is True
+    assert all(not p.requires_grad for p in model.parameters())
+
+
+def test_only_safetensors_and_json_are_written(exported):
+    _, out = exported
+    files = [p for p in out.rglob("*") if p.is_file()]
+    assert {p.suffix for p in files} <= {".json", ".safetensors", ".jinja"}
+    assert (out / GATES_NAME).is_file() and (out / "adapter" / "adapter_model.safetensors").is_file()
+    assert not any(p.name.startswith(".") for p in out.parent.iterdir())  # no temp leftovers
+
+
+def test_merged_export_matches_the_unmerged_model(bases, tmp_path):
+    module = trained_module(bases["llama"])
+    out = export_module(module, tmp_path / "merged", merge=True)
+    meta = read_meta(out)
+    assert meta["merged"] and not meta["lora"] and (out / "merged" / "config.json").is_file()
+    model, _, _ = load_gated(out)
+    assert not hasattr(model, "peft_config")
+    torch.testing.assert_close(logits_of(model), logits_of(module.model), atol=1e-4, rtol=1e-4)
+    # exporting merged did not change the trained model itself
+    assert any(".lora_" in n for n, _ in module.model.named_parameters())
+
+
+@pytest.mark.parametrize("train", ["gates", "lora"])
+def test_single_part_exports_round_trip(bases, tmp_path, train):
+    module = trained_module(bases["llama"], train=train)
+    model, _, meta = load_gated(export_module(module, tmp_path / train), merge_lora=False)
+    assert (meta["gate"] is not None) == (train == "gates")
+    assert meta["lora"] == (train == "lora")
+    assert torch.equal(logits_of(model), logits_of(module.model))
+
+
+def test_a_base_of_another_shape_is_refused(exported, bases):
+    _, out = exported
+    with pytest.raises(CheckpointError, match="base model mismatch"):
+        load_gated(out, base=bases["other"])
+
+
+def copy_of(out, tmp_path):
+    import shutil
+
+    dst = tmp_path / "copy"
+    shutil.copytree(out, dst)
+    return dst
+
+
+def test_truncated_and_corrupt_files_are_refused(exported, tmp_path):
+    _, out = exported
+    ckpt = copy_of(out, tmp_path)
+    gates = ckpt / GATES_NAME
+    data = gates.read_bytes()
+    gates.write_bytes(data[: len(data) // 2])
+    with pytest.raises(CheckpointError, match="truncated"):
+        load_gated(ckpt)
+    with pytest.raises(CheckpointError, match="corrupt or truncated"):
+        load_gated(ckpt, verify=False)  # even unchecked, safetensors' error is made clear
+    flipped = bytearray(data)
+    flipped[-3] ^= 0xFF
+    gates.write_bytes(bytes(flipped))
+    with pytest.raises(CheckpointError, match="sha256"):
+        load_gated(ckpt)
+
+
+def test_missing_files_are_refused(exported, tmp_path):
+    _, out = exported
+    ckpt = copy_of(out, tmp_path)
+    (ckpt / "adapter" / "adapter_model.safetensors").unlink()
+    with pytest.raises(CheckpointError, match="missing"):
+        load_gated(ckpt)
+    (ckpt / CONFIG_NAME).unlink()
+    with pytest.raises(CheckpointError, match=CONFIG_NAME):
+        load_gated(ckpt)
+    with pytest.raises(CheckpointError, match="no such checkpoint"):
+        load_gated(tmp_path / "nowhere")
+
+
+def test_unknown_version_and_garbled_config_are_refused(exported, tmp_path):
+    _, out = exported
+    ckpt = copy_of(out, tmp_path)
+    meta = json.loads((ckpt / CONFIG_NAME).read_text())
+    meta["format_version"] = 99
+    (ckpt / CONFIG_NAME).write_text(json.dumps(meta))
+    with pytest.raises(CheckpointError, match="format_version 99"):
+        load_gated(ckpt)
+    (ckpt / CONFIG_NAME).write_text('{"format": "kvgate-ga')
+    with pytest.raises(CheckpointError, match="corrupt or truncated"):
+        load_gated(ckpt)
+
+
+def test_failed_export_leaves_nothing_behind(bases, tmp_path, monkeypatch):
+    import kvgate.checkpoint as ck
+
+    module = trained_module(bases["llama"], train="gates")
+    export_module(module, tmp_path / "kept")
+    before = sorted(p.name for p in tmp_path.iterdir())
+
+    def boom(root):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(ck, "_inventory", boom)
+    with pytest.raises(OSError, match="disk full"):
+        export_module(module, tmp_path / "new")
+    with pytest.raises(OSError, match="disk full"):
+        export_module(module, tmp_path / "kept", overwrite=True)
+    assert sorted(p.name for p in tmp_path.iterdir()) == before
+    assert read_meta(tmp_path / "kept")  # the old export survived the failed overwrite
+    monkeypatch.undo()
+    with pytest.raises(CheckpointError, match="already exists"):
+        export_module(module, tmp_path / "kept")
+
+
+def test_export_cli_from_a_lightning_checkpoint(bases, tmp_path, capsys):
+    module = KVGateModule(base_model=bases["llama"], train="gates_lora", image_every_n_steps=0)
+    ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True)
+    trainer = L.Trainer(max_steps=2, accelerator="cpu", logger=False, enable_progress_bar=False,
+                        enable_model_summary=False, callbacks=[ckpt], limit_val_batches=0,
+                        default_root_dir=tmp_path)
+    trainer.fit(module, SyntheticCPT(seq_len=16, batch_size=2, val_fraction=0.0))
+    assert export_main([str(tmp_path / "ckpt" / "last.ckpt"), str(tmp_path / "out")]) == 0
+    model, _, meta = load_gated(tmp_path / "out", merge_lora=False)
+    assert meta["training"]["global_step"] == 2 and meta["training"]["train"] == "gates_lora"
+    assert torch.equal(logits_of(model), logits_of(module.model.eval()))
+    assert export_main([str(tmp_path / "missing.ckpt"), str(tmp_path / "x")]) == 2
+    assert "no such checkpoint file" in capsys.readouterr().err

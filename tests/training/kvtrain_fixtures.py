@@ -1,0 +1,80 @@
+"""Tiny on-disk base models (random LLaMA/Mistral + a character tokenizer) and synthetic data
+for the training tests: everything loads through ``kvgate.models.load_base`` like a real model."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+from conftest import build, tiny_llama_config, tiny_mistral_config
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast
+
+from kvgate.data.tasks import MCExample
+from kvgate.training.data import CPTDataModule, SFTDataModule
+
+SPECIALS = ["<unk>", "<s>", "</s>", "<pad>"]
+CHARS = [chr(i) for i in range(32, 127)] + ["\n"]  # 4 + 96 ids < the tiny vocab of 128
+
+
+def char_tokenizer() -> PreTrainedTokenizerFast:
+    vocab = {tok: i for i, tok in enumerate(SPECIALS + CHARS)}
+    core = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    core.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(tokenizer_object=core, unk_token="<unk>", bos_token="<s>",
+                                   eos_token="</s>", pad_token="<pad>")
+
+
+def save_tiny_base(folder: Path, arch: str = "llama", **overrides) -> str:
+    """Write a tiny random model + tokenizer as a Hugging Face folder; returns its path."""
+    cfg = (tiny_llama_config if arch == "llama" else tiny_mistral_config)(**overrides)
+    build(cfg).save_pretrained(folder)
+    char_tokenizer().save_pretrained(folder)
+    return str(folder)
+
+
+WORDS = [
+    "the", "cat", "sat", "on", "a", "mat", "while", "dogs", "ran", "far", "away", "and",
+    "birds", "sang", "in", "tall", "green", "trees", "near", "the", "old", "river", "bank",
+]
+
+
+def synthetic_docs(n: int, seed: int = 0) -> list[str]:
+    rng = random.Random(seed)
+    return [" ".join(rng.choice(WORDS) for _ in range(rng.randint(20, 60))) for _ in range(n)]
+
+
+class SyntheticCPT(CPTDataModule):
+    """CPT data module over generated text (no corpus needed)."""
+
+    def __init__(self, n_docs: int = 40, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.n_docs = n_docs
+
+    def load_documents(self) -> list[str]:
+        return synthetic_docs(self.n_docs, self.seed)
+
+
+def synthetic_examples(n: int, seed: int = 0) -> list[MCExample]:
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        a, b = rng.sample(WORDS, 2)
+        gold = rng.randint(0, 1)
+        out.append(MCExample(task="rte", uid=f"syn:{seed}:{i}",
+                             context=f"{a} or {b}? pick {(a, b)[gold]}\nAnswer:",
+                             choices=[f" {a}", f" {b}"], gold=gold))
+    return out
+
+
+class SyntheticSFT(SFTDataModule):
+    """SFT data module over generated two-choice examples."""
+
+    def __init__(self, n_train: int = 16, n_val: int = 6, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.n_train, self.n_val = n_train, n_val
+
+    def examples(self, part, limit):
+        n = self.n_train if part == "train" else self.n_val
+        return synthetic_examples(n, seed=0 if part == "train" else 1)

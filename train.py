@@ -1,0 +1,114 @@
+"""Train Attention-Gates (and/or LoRA) with Lightning's CLI.
+
+    python train.py --config configs/cpt_demo.yaml
+    python train.py --config cpt_demo --trainer.max_steps 20 --model.gate.beta 0.3
+    python train.py --config cpt_demo --ckpt_path last      # resume a killed run
+    python train.py --config cpt_demo --print_config        # the full resolved config
+
+``--config NAME`` also finds ``configs/NAME.yaml``. Every key is typed: an unknown key or a
+bad value stops the run before any model is loaded, with a message naming the key.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+import warnings
+from pathlib import Path
+
+from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
+
+from kvgate.training.data import KVGateDataModule
+from kvgate.training.module import KVGateModule
+
+CONFIG_DIR = Path(__file__).resolve().parent / "configs"
+
+
+def resolve_config_args(argv: list[str]) -> list[str]:
+    """Rewrite ``--config NAME`` to ``configs/NAME.yaml`` when NAME is not an existing file."""
+    out = list(argv)
+    for i, arg in enumerate(out):
+        if arg == "--config" and i + 1 < len(out):
+            out[i + 1] = _config_path(out[i + 1])
+        elif arg.startswith("--config="):
+            out[i] = "--config=" + _config_path(arg.split("=", 1)[1])
+    return out
+
+
+def _config_path(name: str) -> str:
+    if Path(name).is_file():
+        return name
+    for candidate in (CONFIG_DIR / name, CONFIG_DIR / f"{name}.yaml"):
+        if candidate.is_file():
+            return str(candidate)
+    return name  # let the parser report the missing file
+
+
+class KVGateCLI(LightningCLI):
+    def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
+        parser.add_argument("--ckpt_path", type=str | None, default=None,
+                            help="resume from this Lightning checkpoint ('last' = newest last.ckpt)")
+
+    def before_instantiate_classes(self) -> None:
+        check_strategy(self.config.get("trainer", {}).get("strategy"))
+
+
+class StrategyUnavailable(RuntimeError):
+    """The configured distributed strategy needs a package that is not installed."""
+
+
+def _strategy_name(strategy) -> str:
+    if isinstance(strategy, str):
+        return strategy
+    class_path = getattr(strategy, "class_path", None)
+    if class_path is None and isinstance(strategy, dict):
+        class_path = strategy.get("class_path")
+    return str(class_path or "")
+
+
+def check_strategy(strategy) -> None:
+    """DeepSpeed is an optional extra: name the fix instead of failing inside Lightning."""
+    name = _strategy_name(strategy)
+    if "deepspeed" in name.lower() and importlib.util.find_spec("deepspeed") is None:
+        raise StrategyUnavailable(
+            f"trainer.strategy={name!r} needs DeepSpeed: pip install 'kvgate[deepspeed]' "
+            "(Lightning runs DeepSpeed on CUDA GPUs only)")
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = resolve_config_args(sys.argv[1:] if argv is None else argv)
+    from kvgate.checkpoint import CheckpointError
+    from kvgate.data.errors import DataError
+    from kvgate.gate import ConfigError
+    from kvgate.models.errors import ModelLoadError
+    from kvgate.training.errors import TrainingConfigError
+
+    clear = (ConfigError, TrainingConfigError, ModelLoadError, DataError, CheckpointError,
+             StrategyUnavailable)
+    warnings.filterwarnings("ignore", message="LightningCLI's args parameter")
+    try:
+        cli = KVGateCLI(KVGateModule, KVGateDataModule, subclass_mode_data=True, run=False,
+                        args=argv, save_config_kwargs={"overwrite": True})
+        cli.trainer.fit(cli.model, datamodule=cli.datamodule, ckpt_path=cli.config.get("ckpt_path"))
+    except Exception as err:  # only our own errors are shortened; others re-raise
+        cause = _find_cause(err, clear)
+        if cause is None:
+            raise
+        print(f"error: {cause}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def _find_cause(err: BaseException, types: tuple[type, ...]) -> BaseException | None:
+    """Our own error in ``err``'s chain (jsonargparse wraps a constructor's error)."""
+    seen = set()
+    while err is not None and id(err) not in seen:
+        if isinstance(err, types):
+            return err
+        seen.add(id(err))
+        err = err.__cause__ or err.__context__
+    return None
+
+
+if __name__ == "__main__":
+    sys.exit(main())
