@@ -61,7 +61,9 @@ def build_parser() -> argparse.ArgumentParser:
     def tasks(sp: argparse.ArgumentParser) -> None:
         sp.add_argument("--tasks", default="rte,copa", help="comma-separated task names")
         sp.add_argument("--limit", type=int, default=None, help="first N examples of each task")
-        sp.add_argument("--split", default="validation")
+        sp.add_argument("--split", default="validation",
+                        help="dataset split, or sft_test / sft_train: the held-out / training "
+                             "part of the deterministic SFT cut (kvgate.data.load_sft_split)")
         sp.add_argument("--max-length", type=int, default=None,
                         help="cut contexts from the left to fit this many tokens")
         sp.add_argument("--mode", default="masked", choices=["masked", "cache"])
@@ -217,8 +219,11 @@ def check_gate(model: Any, policies: dict[str, Any]) -> None:
 
 
 def load_tasks(args: argparse.Namespace, names: list[str]) -> dict[str, list[Any]]:
-    from kvgate.data import load_task
+    from kvgate.data import load_sft_split, load_task
 
+    if args.split in ("sft_test", "sft_train"):
+        part = args.split.removeprefix("sft_")
+        return {t: load_sft_split(t, part)[: args.limit] for t in names}
     return {t: load_task(t, split=args.split, limit=args.limit) for t in names}
 
 
