@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-EXIT_USAGE = 2
+from kvgate.cli import EXIT_USAGE  # noqa: F401  (re-exported for scripts)
 
 
 class CliError(ValueError):
@@ -109,22 +109,6 @@ def _load(args: argparse.Namespace):
     return load_base(args.model, dtype=args.dtype, device=args.device)
 
 
-def _known_errors() -> tuple[type[BaseException], ...]:
-    """Errors that are the user's to fix: one line, exit 2."""
-    from kvgate.cache import CacheError
-    from kvgate.policies.base import PolicyError
-
-    errors: list[type[BaseException]] = [CliError, PolicyError, CacheError]
-    for module, name in (("kvgate.models.errors", "ModelLoadError"),
-                         ("kvgate.checkpoint", "CheckpointError"),
-                         ("kvgate.gate.config", "ConfigError")):
-        try:
-            errors.append(getattr(__import__(module, fromlist=[name]), name))
-        except (ImportError, AttributeError):
-            pass
-    return tuple(errors)
-
-
 def run(args: argparse.Namespace) -> int:
     from kvgate.inference import Engine
     from kvgate.policies import get_policy
@@ -159,16 +143,9 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    known = _known_errors()
-    try:
-        return run(args)
-    except known as exc:
-        if args.debug:
-            raise
-        message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        print(f"error: {message}", file=sys.stderr)
-        return EXIT_USAGE
+    from kvgate.cli import run_cli
+
+    return run_cli(run, build_parser().parse_args(argv), extra=(CliError,))
 
 
 if __name__ == "__main__":

@@ -28,7 +28,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-EXIT_USAGE = 2
+from kvgate.cli import EXIT_USAGE  # noqa: F401  (re-exported for scripts)
 
 
 def _csv(raw: str) -> list[str]:
@@ -336,37 +336,11 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _known_errors() -> tuple[type[BaseException], ...]:
-    """Errors that are the user's to fix: one line, exit 2."""
-    from kvgate.cache import CacheError
-    from kvgate.data.errors import DataError
-    from kvgate.eval.masked import EvalError
-    from kvgate.gate.config import ConfigError
-    from kvgate.models.errors import ModelLoadError
-    from kvgate.policies.base import PolicyError
-
-    errors: list[type[BaseException]] = [EvalError, PolicyError, CacheError, DataError,
-                                         ModelLoadError, ConfigError]
-    try:
-        from kvgate.checkpoint import CheckpointError
-
-        errors.append(CheckpointError)
-    except ImportError:
-        pass
-    return tuple(errors)
-
-
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    known = _known_errors()
-    try:
-        return run(args)
-    except known as exc:
-        if args.debug:
-            raise
-        message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        print(f"error: {message}", file=sys.stderr)
-        return EXIT_USAGE
+    from kvgate.cli import run_cli
+    from kvgate.eval.masked import EvalError
+
+    return run_cli(run, build_parser().parse_args(argv), extra=(EvalError,))
 
 
 if __name__ == "__main__":
