@@ -19,8 +19,6 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from kvgate.cli import EXIT_USAGE  # noqa: F401  (re-exported for scripts)
-
 
 class CliError(ValueError):
     """A bad command line that argparse cannot catch (files, option values)."""

@@ -28,8 +28,6 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from kvgate.cli import EXIT_USAGE  # noqa: F401  (re-exported for scripts)
-
 
 def _csv(raw: str) -> list[str]:
     return [x.strip() for x in raw.split(",") if x.strip()]
