@@ -271,9 +271,20 @@ class KVGateModule(L.LightningModule):
         return out.logits
 
     # --------------------------------------------------------------- training
+    def current_beta(self) -> float:
+        """Target retention now: annealed from ``recipe.beta_start`` after the warm start."""
+        r = self.recipe_cfg
+        if r.beta_start is None:
+            return self.gate_cfg.beta
+        from kvgate.recipes import RetentionSchedule
+
+        schedule = RetentionSchedule(r.beta_start, self.gate_cfg.beta, r.beta_steps, r.beta_schedule)
+        return schedule(max(0, self.global_step - r.warmstart_steps))
+
     def gate_terms(self, batch: dict[str, Tensor]) -> tuple[Tensor, dict[str, Tensor]]:
         """Eviction loss and retention statistics of the forward that just ran."""
-        loss, stats = eviction_loss(self.model, self.gate_cfg, batch["attention_mask"])
+        loss, stats = eviction_loss(self.model, self.gate_cfg, batch["attention_mask"],
+                                    beta=self.current_beta())
         if self.capture_flags:
             from kvgate.gate.loss import gate_records
 
@@ -284,15 +295,46 @@ class KVGateModule(L.LightningModule):
         clear_records(self.model)  # the records hold the graph of this forward
         return loss, stats
 
+    def _warmstart_step(self, batch: dict[str, Tensor]) -> Tensor:
+        """Gates learn a heuristic's keep masks (class-balanced BCE) before the real objective."""
+        from kvgate.policies import get_policy
+        from kvgate.policies.base import Budget
+        from kvgate.recipes import heuristic_labels, warmstart_loss
+
+        r = self.recipe_cfg
+        keep = r.warmstart_keep if r.warmstart_keep is not None else max(self.gate_cfg.beta, 1e-3)
+        ids, mask = batch["input_ids"], batch["attention_mask"]
+        labels = heuristic_labels(self.model, get_policy(r.warmstart_policy), Budget(ratio=keep),
+                                  ids, mask)
+        loss, stats = warmstart_loss(self.model, labels, ids, mask)
+        bsz = ids.shape[0]
+        self.log("train/warmstart_bce", loss, prog_bar=True, batch_size=bsz)
+        self.log("train/warmstart_balanced_acc", stats["balanced_accuracy"], batch_size=bsz)
+        return loss
+
     def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
+        r = self.recipe_cfg
+        if self.gated and self.global_step < r.warmstart_steps:
+            return self._warmstart_step(batch)
         logits = self(batch["input_ids"], batch["attention_mask"], batch.get("prompt_mask"))
         lm, _ = causal_lm_loss(logits, batch["labels"])
-        loss = lm
+        loss = r.lm_weight * lm
         bsz = batch["input_ids"].shape[0]
         self.log("train/lm_loss", lm, prog_bar=True, batch_size=bsz)
+        if self.gated and r.distill_weight:
+            from kvgate.recipes import distillation_loss, teacher_logits
+
+            teacher = teacher_logits(self.model, input_ids=batch["input_ids"],
+                                     attention_mask=batch["attention_mask"], use_cache=False)
+            predicted = batch["labels"][:, 1:] != -100  # positions whose next token is scored
+            kd = distillation_loss(logits[:, :-1], teacher[:, :-1], predicted,
+                                   r.distill_temperature)
+            loss = loss + r.distill_weight * kd
+            self.log("train/distill_kl", kd, prog_bar=True, batch_size=bsz)
         if self.gated:
             ev, stats = self.gate_terms(batch)
-            loss = lm + ev
+            loss = loss + ev
+            self.log("train/beta", self.current_beta(), batch_size=bsz)
             self.last_stats = {k: v.detach() for k, v in stats.items()}
             self.log("train/evict_loss", ev, batch_size=bsz)
             self.log("train/retention", stats["retention"], batch_size=bsz)
