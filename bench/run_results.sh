@@ -21,5 +21,32 @@ case "${1:-all}" in
     for c in sft_demo_rte sft_demo_rte_lora sft_demo_copa sft_demo_copa_lora; do
       python train.py --config $c
     done ;;
-  *) echo "usage: $0 base|cpt|sft" >&2; exit 2 ;;
+  gate)   # a CPT gate on the 7 tasks, then the heuristics at its per-example eviction
+    ck=$2; out=$3
+    python -m kvgate.eval mc --checkpoint "$ck" --tasks $TASKS7 --limit 30 \
+      --policies full,attention_gate --mode masked --no-progress --patterns 3 --out "$out"
+    python -m kvgate.eval matched --checkpoint "$ck" --tasks $TASKS7 --limit 30 \
+      --policies streaming,h2o,tova,snapkv,adakv --mode masked --no-progress --out "$out" ;;
+  sfteval) # SFT checkpoints on the held-out part: gate + matched heuristics; LoRA-only at 50 %
+    for t in rte copa; do
+      python -m kvgate.eval mc --checkpoint runs/sft_demo_$t/gated --tasks $t --split sft_test \
+        --policies full,attention_gate --mode masked --no-progress --out results/sft_$t
+      python -m kvgate.eval matched --checkpoint runs/sft_demo_$t/gated --tasks $t \
+        --split sft_test --policies streaming,h2o,snapkv,adakv --mode masked --no-progress \
+        --out results/sft_$t
+      python -m kvgate.eval mc --checkpoint runs/sft_demo_${t}_lora/gated --tasks $t \
+        --split sft_test --policies full,streaming,h2o,snapkv,adakv --budgets 0.5 \
+        --mode masked --no-progress --out results/sft_${t}_lora
+    done ;;
+  ppl)    # held-out perplexity under eviction: gate(s) and heuristics at given kept ratios
+    ck=$2; out=$3; budgets=$4
+    python -m kvgate.eval ppl --checkpoint "$ck" --policies full,attention_gate --docs 40 \
+      --max-length 512 --no-progress --out "$out"
+    python -m kvgate.eval ppl --checkpoint "$ck" --policies streaming,h2o,tova,snapkv \
+      --budgets "$budgets" --docs 40 --max-length 512 --no-progress --out "$out" ;;
+  needle) # passkey retrieval by length and depth (rank scoring), base model
+    python -m kvgate.eval needle --model smollm2-135m --lengths 1024,2048 --depths 0,50,100 \
+      --policies full,streaming,h2o,snapkv,adakv --budgets 0.5 --scoring rank --no-progress \
+      --out results/needle ;;
+  *) echo "usage: $0 base|cpt|sft|gate CKPT OUT|sfteval|ppl CKPT OUT BUDGETS|needle" >&2; exit 2 ;;
 esac
