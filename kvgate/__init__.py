@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 __version__ = "0.1.0"
-__all__ = ["GateConfig", "patch", "unpatch", "__version__"]
+__all__ = ["GateConfig", "__version__", "patch", "unpatch"]
 
 
 def __getattr__(name: str) -> Any:

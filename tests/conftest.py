@@ -8,24 +8,22 @@ from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralFo
 
 
 def tiny_llama_config(**overrides) -> LlamaConfig:
-    cfg = dict(
-        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
-        rms_norm_eps=1e-6, tie_word_embeddings=False,
-    )
-    cfg.update(overrides)
-    return LlamaConfig(**cfg)
+    return LlamaConfig(**{
+        "vocab_size": 128, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+        "max_position_embeddings": 256, "rms_norm_eps": 1e-6, "tie_word_embeddings": False,
+        **overrides,
+    })
 
 
 def tiny_mistral_config(**overrides) -> MistralConfig:
     # sliding_window smaller than the test sequences so that the window really bites
-    cfg = dict(
-        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=1, head_dim=16, max_position_embeddings=256,
-        sliding_window=8, rms_norm_eps=1e-6, tie_word_embeddings=False,
-    )
-    cfg.update(overrides)
-    return MistralConfig(**cfg)
+    return MistralConfig(**{
+        "vocab_size": 128, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": 16,
+        "max_position_embeddings": 256, "sliding_window": 8, "rms_norm_eps": 1e-6,
+        "tie_word_embeddings": False, **overrides,
+    })
 
 
 def build(config) -> torch.nn.Module:

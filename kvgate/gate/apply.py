@@ -32,7 +32,7 @@ def valid_tokens(attention_mask: Tensor | None, b: int, n: int, device) -> Tenso
 
 def gate_attend_mask(valid: Tensor, prompt: Tensor | None, mode: str) -> Tensor | None:
     """Mask of the gate's own attention [B, 1, n, n] (None = plain causal, no padding)."""
-    b, n = valid.shape
+    n = valid.shape[1]
     eye = torch.eye(n, dtype=torch.bool, device=valid.device)
     causal = torch.ones(n, n, dtype=torch.bool, device=valid.device).tril()
     if mode == "prompt_bidirectional" and prompt is not None:

@@ -8,8 +8,8 @@ also when the model is wrapped by peft.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Iterator
 
 import torch
 from torch import Tensor, nn

@@ -40,7 +40,7 @@ class Budget:
             raise PolicyError(f"budget tokens must be an integer >= 1, got {self.tokens}")
 
     @classmethod
-    def parse(cls, value: float | int | str | Budget) -> Budget:
+    def parse(cls, value: float | str | Budget) -> Budget:
         """``0.5`` -> keep half; ``128`` (an integer > 1) -> keep 128 tokens per head."""
         if isinstance(value, Budget):
             return value
@@ -164,7 +164,7 @@ def causal_probs(query: Tensor, key: Tensor, valid: Tensor, scaling: float,
     query [B, H, n, d], key [B, H_kv, n, d]; returns [B, H, r, n] with causal + padding masks,
     normalised over every visible key. Rows of padding queries are all zero.
     """
-    b, h, n, _ = query.shape
+    _, h, n, _ = query.shape
     rows = rows or slice(0, n)
     q = query[:, :, rows].float()
     k = key.float().repeat_interleave(h // key.shape[1], dim=1)

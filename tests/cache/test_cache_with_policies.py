@@ -55,7 +55,7 @@ def test_policy_through_cache(model, name):
         assert batched[i].tolist() == alone[0].tolist(), f"sample {i}"
 
 
-@pytest.mark.parametrize("protected", [dict(), dict(sinks=2, recent=3)])
+@pytest.mark.parametrize("protected", [{}, {"sinks": 2, "recent": 3}])
 def test_attention_gate_prefill_equals_the_gated_model(model, protected):
     """The learned policy through the cache (eq. 5 prefill + compaction) gives the logits of
     the gated model's own masked forward, and generation continues from the kept entries;

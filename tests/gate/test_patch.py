@@ -7,8 +7,14 @@ import torch
 
 import kvgate
 from kvgate.gate import (
-    ConfigError, GateConfig, UnsupportedModelError, eviction_loss, gate_modules, gates_open,
-    prompt_segment, retention_stats,
+    ConfigError,
+    GateConfig,
+    UnsupportedModelError,
+    eviction_loss,
+    gate_modules,
+    gates_open,
+    prompt_segment,
+    retention_stats,
 )
 
 
@@ -76,7 +82,7 @@ def test_padding_does_not_count_in_retention(tiny_llama):
 
 def test_causal_gate_changing_next_token_leaves_the_past_unchanged(tiny_model):
     kvgate.patch(tiny_model, GateConfig(gamma=0.0))
-    x, am = _inputs(False, b=1, n=16)
+    x, _ = _inputs(False, b=1, n=16)
     j = 8
     x2 = x.clone()
     x2[0, j + 1] = (x[0, j + 1] + 7) % 128
@@ -143,7 +149,7 @@ def test_previous_layer_gating_reads_previous_input(tiny_llama):
 
     with tapped(tiny_llama, tap):
         tiny_llama(x)
-    attn0, attn1 = attention_modules(tiny_llama)
+    _, attn1 = attention_modules(tiny_llama)
     gate1 = attn1.kv_gate
     # layer 1's flags are computed from layer 0's input (so gates can run ahead of attention)
     from_prev = gate1(seen[0][0], seen[1][1])

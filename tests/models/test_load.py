@@ -132,7 +132,7 @@ def test_offline_hub_id_fails_without_touching_the_network(monkeypatch):
     def no_network(*args, **kwargs):
         raise AssertionError("the hub was contacted although HF_HUB_OFFLINE is set")
 
-    import kvgate.hub as hub
+    from kvgate import hub
 
     monkeypatch.setattr(hub.urllib.request, "urlopen", no_network)
     with pytest.raises(ModelLoadError) as info:
@@ -153,7 +153,7 @@ def test_hub_probe_reports_a_refused_connection(monkeypatch):
 def test_hub_probe_gives_up_on_a_hanging_endpoint(monkeypatch):
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
     monkeypatch.delenv("TRANSFORMERS_OFFLINE", raising=False)
-    import kvgate.hub as hub
+    from kvgate import hub
 
     monkeypatch.setattr(hub, "HUB_PROBE_TIMEOUT_S", 0.05)
     monkeypatch.setattr(hub.urllib.request, "urlopen", lambda *a, **k: time.sleep(30))
