@@ -26,16 +26,16 @@ case "${1:-all}" in
     python -m kvgate.eval mc --checkpoint "$ck" --tasks $TASKS7 --limit 30 \
       --policies full,attention_gate --mode masked --no-progress --patterns 3 --out "$out"
     python -m kvgate.eval matched --checkpoint "$ck" --tasks $TASKS7 --limit 30 \
-      --policies streaming,h2o,tova,snapkv,adakv --mode masked --no-progress --out "$out" ;;
+      --policies streaming,h2o,tova,snapkv --mode masked --no-progress --out "$out" ;;
   sfteval) # SFT checkpoints on the held-out part: gate + matched heuristics; LoRA-only at 50 %
     for t in rte copa; do
       python -m kvgate.eval mc --checkpoint runs/sft_demo_$t/gated --tasks $t --split sft_test \
         --policies full,attention_gate --mode masked --no-progress --out results/sft_$t
       python -m kvgate.eval matched --checkpoint runs/sft_demo_$t/gated --tasks $t \
-        --split sft_test --policies streaming,h2o,snapkv,adakv --mode masked --no-progress \
+        --split sft_test --policies streaming,h2o,snapkv,tova --mode masked --no-progress \
         --out results/sft_$t
       python -m kvgate.eval mc --checkpoint runs/sft_demo_${t}_lora/gated --tasks $t \
-        --split sft_test --policies full,streaming,h2o,snapkv,adakv --budgets 0.5 \
+        --split sft_test --policies full,streaming,h2o,snapkv,tova --budgets 0.5 \
         --mode masked --no-progress --out results/sft_${t}_lora
     done ;;
   ppl)    # held-out perplexity under eviction: gate(s) and heuristics at given kept ratios
@@ -46,7 +46,7 @@ case "${1:-all}" in
       --budgets "$budgets" --docs 40 --max-length 512 --no-progress --out "$out" ;;
   needle) # passkey retrieval by length and depth (rank scoring), base model
     python -m kvgate.eval needle --model smollm2-135m --lengths 1024,2048 --depths 0,50,100 \
-      --policies full,streaming,h2o,snapkv,adakv --budgets 0.5 --scoring rank --no-progress \
-      --out results/needle ;;
+      --samples 2 --policies full,streaming,h2o,snapkv,tova --budgets 0.25 --scoring rank \
+      --no-progress --out results/needle ;;
   *) echo "usage: $0 base|cpt|sft|gate CKPT OUT|sfteval|ppl CKPT OUT BUDGETS|needle" >&2; exit 2 ;;
 esac
