@@ -8,6 +8,7 @@ import torch
 from torch import Tensor, nn
 
 from kvgate.attention.gated import gated_attention
+from kvgate.cache.prefill import new_token_validity
 from kvgate.models.dispatch import context
 
 
@@ -20,14 +21,9 @@ class GateRecord:
 
 
 def valid_tokens(attention_mask: Tensor | None, b: int, n: int, device) -> Tensor:
-    """[B, n] bool real tokens, read off the diagonal of transformers' 4-D prefill mask
-    (a padding query attends to nothing, so its own diagonal entry is False)."""
-    if attention_mask is None:
-        return torch.ones(b, n, dtype=torch.bool, device=device)
-    m = attention_mask[..., -n:, -n:]
-    if m.dtype != torch.bool:
-        m = m > -1e4
-    return torch.diagonal(m[:, 0], dim1=-2, dim2=-1).expand(b, n)
+    """[B, n] bool real tokens of a prefill: the cache's reading of transformers' 4-D mask
+    (a padding query does not see itself), so training and cached prefill agree."""
+    return new_token_validity(attention_mask, b, n, device)
 
 
 def gate_attend_mask(valid: Tensor, prompt: Tensor | None, mode: str) -> Tensor | None:
