@@ -1,11 +1,18 @@
-"""Training throughput: gates + LoRA vs LoRA only, same base, same batches, one process.
+"""Training throughput, two regimes side by side on the same base and batches, one process.
 
     python bench/bench_train.py [--steps 4] [--seq-len 512] [--batch 1] [--base smollm2-135m]
+    python bench/bench_train.py --pair materialised --seq-len 256 --batch 4
+
+``--pair lora`` (default, issue #4): gates + LoRA vs LoRA only; prints the slowdown
+LoRA-only / gates+LoRA (target <= 1.35).
+``--pair materialised`` (issue #7): gates-only training with kvgate's gated attention (flash
+forward + closed-form chunked gate gradient) vs the same step with the gated softmax
+materialised as an n x n matrix and differentiated by autograd (the prototype's way); prints
+the speed-up (target >= 2x).
 
 Each timed step is forward + loss + backward + AdamW step of ``KVGateModule.training_step``.
-The two regimes alternate step by step (A, B, A, B, ...) on the same batches, so drifting load
-from other processes on the machine hits both alike. One untimed warm-up step each. Prints
-tokens/s of both and the slowdown ratio LoRA-only / gates+LoRA (target <= 1.35).
+The regimes alternate step by step (A, B, A, B, ...) on the same batches, so drifting load
+from other processes on the machine hits both alike. One untimed warm-up step each.
 """
 
 from __future__ import annotations
@@ -15,12 +22,35 @@ import sys
 import time
 from pathlib import Path
 
+from contextlib import contextmanager
+
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import kvgate.gate.apply as gate_apply
+from kvgate.attention.gated import gated_attention_reference
 from kvgate.training.data import CPTDataModule, collate_blocks
 from kvgate.training.module import KVGateModule, causal_lm_loss
+
+
+def materialised(q, k, v, gate, allowed=None, scaling=None, recent=0, chunk=None):
+    """The prototype's gated attention: the n x n gated softmax, autograd backward."""
+    return gated_attention_reference(q, k, v, gate, allowed, scaling=scaling, recent=recent)
+
+
+@contextmanager
+def attention_impl(name: str):
+    """Route the gated layers through ``name`` ('kvgate' or 'materialised') for a block."""
+    if name == "kvgate":
+        yield
+        return
+    saved = gate_apply.gated_attention
+    gate_apply.gated_attention = materialised
+    try:
+        yield
+    finally:
+        gate_apply.gated_attention = saved
 
 
 def build(base: str, train: str) -> tuple[KVGateModule, torch.optim.Optimizer]:
@@ -58,9 +88,18 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=4, help="timed steps per regime")
     parser.add_argument("--seq-len", type=int, default=512)
     parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--pair", choices=["lora", "materialised"], default="lora",
+                        help="what the gated run is compared with")
     args = parser.parse_args()
 
-    regimes = {"gates_lora": build(args.base, "gates_lora"), "lora": build(args.base, "lora")}
+    if args.pair == "lora":
+        regimes = {"gates_lora": build(args.base, "gates_lora"), "lora": build(args.base, "lora")}
+        impl = {"gates_lora": "kvgate", "lora": "kvgate"}
+    else:
+        module, opt = build(args.base, "gates")
+        # one module, two attention routes: identical weights, so only the kernel differs
+        regimes = {"kvgate": (module, opt), "materialised": (module, opt)}
+        impl = {"kvgate": "kvgate", "materialised": "materialised"}
     data = CPTDataModule(source="embedded", max_docs=200, seq_len=args.seq_len,
                          batch_size=args.batch, val_fraction=0.0)
     data.tokenizer = regimes["lora"][0].tokenizer
@@ -75,7 +114,8 @@ def main() -> int:
     seconds = {name: 0.0 for name in regimes}
     for i, batch in enumerate(batches):
         for name, (module, opt) in regimes.items():
-            took = step(module, opt, batch)
+            with attention_impl(impl[name]):
+                took = step(module, opt, batch)
             if i > 0:  # step 0 warms up allocators and kernels
                 seconds[name] += took
     tokens = args.steps * args.batch * args.seq_len
@@ -84,8 +124,12 @@ def main() -> int:
           f"threads={torch.get_num_threads()}")
     for name, value in tps.items():
         print(f"  {name:<11} {value:8.1f} tokens/s  ({seconds[name] / args.steps:.2f} s/step)")
-    ratio = tps["lora"] / tps["gates_lora"]
-    print(f"slowdown gates+LoRA vs LoRA-only: {ratio:.3f}x (target <= 1.35x)")
+    if args.pair == "lora":
+        ratio = tps["lora"] / tps["gates_lora"]
+        print(f"slowdown gates+LoRA vs LoRA-only: {ratio:.3f}x (target <= 1.35x)")
+    else:
+        ratio = tps["kvgate"] / tps["materialised"]
+        print(f"speed-up kvgate vs materialised gated attention: {ratio:.3f}x (target >= 2x)")
     return 0
 
 

@@ -44,9 +44,35 @@ case "${1:-all}" in
       --max-length 512 --no-progress --out "$out"
     python -m kvgate.eval ppl --checkpoint "$ck" --policies streaming,h2o,tova,snapkv \
       --budgets "$budgets" --docs 40 --max-length 512 --no-progress --out "$out" ;;
+  ablation) # issue #7 ablation: cpt_recipe with switches taken away (configs/ablation/)
+    for v in lm_alpha20 distill distill_protected; do
+      python train.py --config cpt_recipe --config configs/ablation/$v.yaml
+    done ;;
+  pplctx) # perplexity at a fixed context: every gate, then the heuristics at each gate's eviction
+    ctx=$2; cont=$3; windows=$4; out=$5; shift 5
+    gates=("$@")   # gated checkpoint folders, e.g. runs/cpt_recipe/gated runs/abl_distill/gated
+    win=(--docs 2000 --context "$ctx" --continuation "$cont" --windows "$windows" --no-progress)
+    for ck in "${gates[@]}"; do
+      name=$(basename "$(dirname "$ck")")
+      python -m kvgate.eval ppl --checkpoint "$ck" --policies attention_gate "${win[@]}" \
+        --out "$out/gate_$name"
+    done
+    # kept ratios the gates reached, rounded to 0.01 (a heuristic's budget is a kept ratio)
+    budgets=$(python - "$out" <<'PY'
+import json, pathlib, sys
+kept = set()
+for f in pathlib.Path(sys.argv[1]).glob("gate_*/results.json"):
+    for rec in json.loads(f.read_text())["results"].values():
+        kept.add(round(1 - rec["evict_pct"] / 100, 2))
+print(",".join(f"{k:.2f}" for k in sorted(kept)))
+PY
+)
+    python -m kvgate.eval ppl --model smollm2-135m --policies full "${win[@]}" --out "$out/heuristics"
+    python -m kvgate.eval ppl --model smollm2-135m --policies h2o,snapkv,streaming,random \
+      --budgets "$budgets" "${win[@]}" --out "$out/heuristics" ;;
   needle) # passkey retrieval by length and depth (rank scoring), base model
     python -m kvgate.eval needle --model smollm2-135m --lengths 1024,2048 --depths 0,50,100 \
       --samples 2 --policies full,streaming,h2o,snapkv,tova --budgets 0.25 --scoring rank \
       --no-progress --out results/needle ;;
-  *) echo "usage: $0 base|cpt|sft|gate CKPT OUT|sfteval|ppl CKPT OUT BUDGETS|needle" >&2; exit 2 ;;
+  *) echo "usage: $0 base|cpt|sft|gate CKPT OUT|sfteval|ppl CKPT OUT BUDGETS|ablation|pplctx CTX CONT WINDOWS OUT GATE...|needle" >&2; exit 2 ;;
 esac

@@ -110,6 +110,12 @@ def build_parser() -> argparse.ArgumentParser:
     ppl.add_argument("--max-length", type=int, default=512)
     ppl.add_argument("--prefix", type=float, default=0.5, help="share of each text compressed")
     ppl.add_argument("--mode", default="masked", choices=["masked", "cache"])
+    ppl.add_argument("--context", type=int, default=None,
+                     help="fixed context length: join the texts into one stream and cut windows "
+                          "of context + continuation tokens (overrides --max-length/--prefix)")
+    ppl.add_argument("--continuation", type=int, default=None,
+                     help="scored tokens per window (default: = --context)")
+    ppl.add_argument("--windows", type=int, default=None, help="windows to score (default: all)")
 
     pattern = sub.add_parser("pattern", help="plot which entries a policy keeps")
     common(pattern, policies="attention_gate")
@@ -324,7 +330,8 @@ def run(args: argparse.Namespace) -> int:
     elif args.command == "ppl":
         nd.evaluate_ppl(model, tokenizer, load_texts(args), policies, budgets, store, args.mode,
                         args.max_length, args.prefix, batch_size=args.batch_size,
-                        progress=progress)
+                        progress=progress, context=args.context,
+                        continuation=args.continuation, windows=args.windows)
     elif args.command == "pattern":
         extra_paths = write_patterns(model, tokenizer, tasks, policies, budgets[0],
                                      args.samples, out)

@@ -290,6 +290,38 @@ def ppl_items(tokenizer: Any, texts: Sequence[str], max_length: int = 512,
     return items
 
 
+def ppl_window_items(tokenizer: Any, texts: Sequence[str], context: int, continuation: int,
+                     windows: int | None = None, name: str = "corpus") -> list[ScoringItem]:
+    """Fixed-length items from the texts joined into one token stream (each text encoded with
+    the tokenizer's own specials, then an EOS if it has one): non-overlapping windows of
+    ``context + continuation`` tokens, the first ``context`` compressed, the rest scored. Every
+    item then has exactly the requested context, which per-text cuts cannot promise."""
+    if context < 1 or continuation < 1:
+        raise EvalError(f"ppl context and continuation must be >= 1, got {context} and "
+                        f"{continuation}")
+    if windows is not None and windows < 1:
+        raise EvalError(f"ppl windows must be >= 1, got {windows}")
+    eos = getattr(tokenizer, "eos_token_id", None)
+    span = context + continuation
+    stream: list[int] = []
+    want = None if windows is None else windows * span
+    for text in texts:
+        stream += encode(tokenizer, text, special=True) + ([eos] if eos is not None else [])
+        if want is not None and len(stream) >= want:
+            break
+    count = len(stream) // span if windows is None else min(windows, len(stream) // span)
+    if count == 0 or (windows is not None and count < windows):
+        raise EvalError(f"the texts hold {len(stream)} tokens: too few for "
+                        f"{windows or 1} window(s) of {context} + {continuation}; pass more "
+                        "--docs or a smaller --windows")
+    items = []
+    for i in range(count):
+        ids = stream[i * span:(i + 1) * span]
+        items.append(ScoringItem(f"{name}:w{i}", tuple(ids[:context]), (tuple(ids[context:]),),
+                                 0, (continuation,)))
+    return items
+
+
 def ppl_summary(records: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
     nll = -sum(r["ll"][0] for r in records.values())
     tokens = sum(r["tokens"][0] for r in records.values())
@@ -301,18 +333,27 @@ def ppl_summary(records: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
 def evaluate_ppl(model: nn.Module, tokenizer: Any, texts: Sequence[str],
                  policies: Mapping[str, Policy], budgets: Sequence[Budget], store: ResultStore,
                  mode: str = "masked", max_length: int = 512, prefix: float = 0.5,
-                 name: str = "corpus", batch_size: int = 4, progress: bool = True) -> list[str]:
-    """Perplexity of the second part of each text given its compressed first part."""
+                 name: str = "corpus", batch_size: int = 4, progress: bool = True,
+                 context: int | None = None, continuation: int | None = None,
+                 windows: int | None = None) -> list[str]:
+    """Perplexity of the second part of each text given its compressed first part; with
+    ``context``, of fixed windows of the joined texts instead (``ppl_window_items``)."""
     check_mode(mode)
-    items = ppl_items(tokenizer, texts, max_length, prefix, name)
+    if context is not None:
+        items = ppl_window_items(tokenizer, texts, context, continuation or context, windows,
+                                 name)
+        extra = {"context": context, "continuation": continuation or context}
+    else:
+        items = ppl_items(tokenizer, texts, max_length, prefix, name)
+        extra = {"max_length": max_length, "prefix": prefix}
     pad = pad_id(tokenizer)
-    extra = {"max_length": max_length, "prefix": prefix}
     keys = []
     for pname, policy in policies.items():
         buds: Sequence[Budget | None] = [None] if policy.name in BUDGET_FREE else budgets
         for bud in buds:
             fixed = bud or Budget(ratio=1.0)
-            key = make_key("ppl", name, pname, budget_label(bud), mode)
+            task = name if context is None else f"{name}@{context}+{continuation or context}"
+            key = make_key("ppl", task, pname, budget_label(bud), mode)
             run_items(model, items, policy, lambda _u, b=fixed: b, mode, store, key,
                       ppl_summary, extra, batch_size, pad, progress, record_budget=bud is not None)
             keys.append(key)

@@ -10,6 +10,7 @@ from kvgate.policies.full import Full
 from kvgate.policies.h2o import H2O
 from kvgate.policies.nacl import NaCl
 from kvgate.policies.pyramidkv import PyramidKV
+from kvgate.policies.random_keep import RandomKeep
 from kvgate.policies.registry import POLICIES, get_policy, list_policies, policy_class
 from kvgate.policies.roco import RoCo
 from kvgate.policies.snapkv import SnapKV
@@ -30,6 +31,7 @@ __all__ = [
     "Policy",
     "PolicyError",
     "PyramidKV",
+    "RandomKeep",
     "RoCo",
     "ScoredPolicy",
     "SnapKV",

@@ -19,6 +19,7 @@ from kvgate.policies.full import Full
 from kvgate.policies.h2o import H2O
 from kvgate.policies.nacl import NaCl
 from kvgate.policies.pyramidkv import PyramidKV
+from kvgate.policies.random_keep import RandomKeep
 from kvgate.policies.roco import RoCo
 from kvgate.policies.snapkv import SnapKV
 from kvgate.policies.streaming import Streaming
@@ -28,6 +29,7 @@ from kvgate.policies.window import Window
 POLICIES: dict[str, type[Policy]] = {
     "full": Full,
     "window": Window,
+    "random": RandomKeep,
     "streaming": Streaming,
     "h2o": H2O,
     "tova": TOVA,

@@ -20,6 +20,7 @@ from kvgate.eval.needle import (
     make_needle,
     needle_set,
     ppl_items,
+    ppl_window_items,
     rank_item,
 )
 from kvgate.eval.report import ResultStore
@@ -155,3 +156,31 @@ def test_ppl_arguments_are_checked():
         ppl_items(TOK, ["some text here"], prefix=1.0)
     with pytest.raises(EvalError, match="4 tokens"):
         ppl_items(TOK, ["ab"])
+
+
+def test_ppl_windows_have_the_exact_context_and_cover_the_stream():
+    texts = ["the cat sat on the mat", "and looked at the door", "for a long while then left"]
+    items = ppl_window_items(TOK, texts, context=10, continuation=4)
+    stream = []
+    for t in texts:
+        stream += list(TOK(t)["input_ids"]) + ([TOK.eos_token_id] if TOK.eos_token_id is not None
+                                               else [])
+    assert len(items) == len(stream) // 14
+    for i, it in enumerate(items):
+        assert len(it.context) == 10 and len(it.choices[0]) == 4
+        assert list(it.context) + list(it.choices[0]) == stream[i * 14:(i + 1) * 14]
+    assert len(ppl_window_items(TOK, texts, 10, 4, windows=2)) == 2
+    with pytest.raises(EvalError, match="too few"):
+        ppl_window_items(TOK, texts, 10, 4, windows=1000)
+    with pytest.raises(EvalError, match=">= 1"):
+        ppl_window_items(TOK, texts, 0, 4)
+
+
+def test_ppl_window_mode_scores_only_the_continuations(tiny_llama, tmp_path):
+    texts = ["the cat sat on the mat and looked at the door for a long while"] * 3
+    st = ResultStore(tmp_path, {"model": "tiny", "checkpoint": None}, flush_s=0.0)
+    [key] = evaluate_ppl(tiny_llama, TOK, texts, {"random": get_policy("random")},
+                         [Budget(ratio=0.5)], st, context=12, continuation=6, windows=3)
+    rec = st.results[key]
+    assert "@12+6" in key and rec["tokens"] == 3 * 6 and rec["n"] == 3
+    assert rec["evict_pct"] == pytest.approx(50.0, abs=5)

@@ -13,6 +13,7 @@ from kvgate.policies.base import LayerPrompt
 OPTIONS = {
     "full": {},
     "window": {},
+    "random": {"seed": 3},
     "streaming": {},
     "h2o": {},
     "tova": {},

@@ -22,6 +22,7 @@ from kvgate.training.module import KVGateModule
 
 ROOT = Path(train.__file__).resolve().parent
 CONFIGS = sorted((ROOT / "configs").glob("*.yaml"))
+ABLATIONS = sorted((ROOT / "configs" / "ablation").glob("*.yaml"))
 HAS_DEEPSPEED = importlib.util.find_spec("deepspeed") is not None
 
 
@@ -70,7 +71,7 @@ def test_bare_config_names_resolve_inside_configs():
 
 
 def test_every_config_line_is_commented():
-    for path in CONFIGS:
+    for path in CONFIGS + ABLATIONS:
         for n, line in enumerate(path.read_text().splitlines(), 1):
             body = line.split("#", 1)[0].strip()
             if body and not body.endswith(":"):
@@ -105,6 +106,27 @@ def test_every_shipped_config_parses_and_builds(path, no_model_load):
         assert raw["trainer"]["precision"] == "bf16-mixed" and raw["trainer"]["devices"] == 4
 
 
+@pytest.mark.parametrize("path", ABLATIONS, ids=[p.stem for p in ABLATIONS])
+def test_ablation_variants_layer_on_the_recipe(path, no_model_load):
+    """Each ablation file changes only its switches and moves every output to its own folder."""
+    def build(*extra):
+        return train.KVGateCLI(KVGateModule, train.KVGateDataModule, subclass_mode_data=True,
+                               run=False, args=train.resolve_config_args(
+                                   ["--config", "cpt_recipe", *extra]), save_config_callback=None)
+    recipe, variant = build(), build("--config", str(path))
+    out = f"runs/abl_{path.stem}"
+    assert variant.trainer.default_root_dir == out
+    dirs = [str(getattr(c, "dirpath", "")) for c in variant.trainer.callbacks]
+    assert any(d.endswith(f"{out}/checkpoints") for d in dirs) and f"{out}/gated" in dirs
+    raw = yaml.safe_load(path.read_text())["model"]
+    for block in ("gate", "recipe"):
+        got = getattr(variant.model, f"{block}_cfg")
+        want = getattr(recipe.model, f"{block}_cfg")
+        changed = {k for k in vars(want) if getattr(got, k) != getattr(want, k)}
+        assert changed == {k for k, v in raw.get(block, {}).items() if getattr(want, k) != v}
+    assert variant.model.optim_cfg == recipe.model.optim_cfg
+
+
 @pytest.mark.parametrize("override, key", [
     (["--model.gate.beta", "0.9"], "GateConfig.beta"),
     (["--model.lora.rank", "0"], "LoraSettings.rank"),
@@ -129,20 +151,62 @@ def test_unknown_keys_and_bad_choices_are_parser_errors(override, key, no_model_
     assert key in capsys.readouterr().err
 
 
-def test_deepspeed_strategy_comes_from_the_config(capsys, no_model_load):
-    raw = yaml.safe_load((ROOT / "configs" / "cpt_redpajama.yaml").read_text())
-    spec = raw["trainer"]["strategy"]
-    if HAS_DEEPSPEED:
-        from lightning.pytorch.strategies import DeepSpeedStrategy
+def test_deepspeed_strategy_comes_from_the_config(no_model_load):
+    from lightning.pytorch.strategies import DeepSpeedStrategy
 
-        strategy = DeepSpeedStrategy(**spec["init_args"])
-        assert strategy.config["zero_optimization"]["stage"] == 2
-        assert strategy.exclude_frozen_parameters
-    else:
-        # deepspeed is an optional extra: the run stops at once, naming the fix
-        assert train.main(["--config", "cpt_redpajama"]) == 2
-        err = capsys.readouterr().err
-        assert "DeepSpeedStrategy" in err and "kvgate[deepspeed]" in err
+    raw = yaml.safe_load((ROOT / "configs" / "cpt_redpajama.yaml").read_text())
+    strategy = DeepSpeedStrategy(**raw["trainer"]["strategy"]["init_args"])
+    assert strategy.config["zero_optimization"]["stage"] == 2
+    assert strategy.exclude_frozen_parameters
+
+
+def test_missing_deepspeed_names_the_fix(monkeypatch, capsys, no_model_load):
+    real = importlib.util.find_spec
+    monkeypatch.setattr(train.importlib.util, "find_spec",
+                        lambda name, *a: None if name == "deepspeed" else real(name, *a))
+    assert train.main(["--config", "cpt_redpajama"]) == 2
+    err = capsys.readouterr().err
+    assert "DeepSpeedStrategy" in err and "kvgate[deepspeed]" in err
+
+
+def test_deepspeed_zero2_trains_checkpoints_and_exports_on_the_cpu(base_dir, tmp_path):
+    """A few ZeRO-2 steps through train.py (gloo, DeepSpeed's cpu accelerator): the checkpoint
+    folder holds no frozen base tensor and consolidates into the same gates the run exported."""
+    config = tiny_config(tmp_path, base_dir, max_steps=3, gradient_clip_val=1.0)
+    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
+    here = Path(__file__).resolve().parent
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(here), str(here.parent),
+                                         env.get("PYTHONPATH", "")])
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "train.py"), "--config", str(config),
+         "--trainer.strategy", "deepspeed_cpu"],
+        check=False, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    ckpt = tmp_path / "run" / "ckpt" / "last.ckpt"
+    assert ckpt.is_dir()  # DeepSpeed's sharded checkpoint layout
+    saved = {}
+    for f in ckpt.rglob("*model_states.pt"):
+        saved.update(torch.load(f, map_location="cpu", weights_only=False)["module"])
+    assert saved and all("kv_gate" in k or "lora_" in k for k in saved), sorted(saved)[:5]
+
+    from kvgate.export import module_from_checkpoint
+
+    module = module_from_checkpoint(ckpt).eval()
+    model, _, meta = load_gated(tmp_path / "run" / "gated", merge_lora=False)
+    assert meta["training"]["global_step"] == 3
+    ids = torch.randint(4, 100, (1, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        from_zero = module(ids, torch.ones_like(ids))
+        exported = model(input_ids=ids).logits
+    torch.testing.assert_close(from_zero, exported)
+
+
+def test_cpu_deepspeed_refuses_zero3():
+    from kvgate.training.errors import TrainingConfigError
+    from kvgate.training.strategies import CPUDeepSpeedStrategy
+
+    with pytest.raises(TrainingConfigError, match="ZeRO stage 3"):
+        CPUDeepSpeedStrategy(stage=3)
 
 
 def test_cli_run_resumes_and_exports(base_dir, tmp_path):

@@ -1,0 +1,56 @@
+"""Random: keep a uniform random subset of ``B`` prompt entries per (layer, KV head).
+
+The floor every scoring rule has to beat: it spends the same budget with no information. The
+draw is seeded per (seed, layer) and indexed by each token's index among the real tokens, so a
+left-padded batch keeps exactly what each prompt would keep alone and reruns are identical.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from kvgate.policies.base import (
+    Budget,
+    LayerPrompt,
+    Policy,
+    check_int,
+    check_prompt,
+    keep_all,
+    real_index,
+    select_topk,
+)
+from kvgate.policies.nacl import layer_seed
+
+
+@dataclass
+class RandomKeep(Policy):
+    """Uniformly random kept entries; ``seed`` picks the draw."""
+
+    seed: int = 0
+
+    name = "random"
+
+    def __post_init__(self) -> None:
+        check_int(self.name, "seed", self.seed, 0)
+
+    def noise(self, prompt: LayerPrompt) -> Tensor:
+        """Uniform scores ``[B, H_kv, n]`` indexed by (head, index among real tokens)."""
+        hk = prompt.key.shape[1]
+        gen = torch.Generator().manual_seed(layer_seed(self.seed, prompt.layer_idx))
+        length = int(prompt.n_real.max().clamp(min=1))
+        u = torch.rand((length, hk), generator=gen)
+        idx = real_index(prompt.valid).clamp(min=0).cpu()
+        return u[idx].permute(0, 2, 1).to(prompt.key.device)
+
+    def keep(self, prompt: LayerPrompt, budget: Budget) -> Tensor:
+        """``[B, H_kv, n]`` bool with exactly min(B, n_real) True per head."""
+        check_prompt(prompt)
+        b, hk, n = prompt.key.shape[:3]
+        kept = budget.per_sample(prompt.n_real)
+        if bool((kept >= prompt.n_real).all()):
+            return keep_all(prompt)
+        none = torch.zeros((b, hk, n), dtype=torch.bool, device=prompt.key.device)
+        return select_topk(self.noise(prompt), kept, none, prompt.valid)
