@@ -20,7 +20,6 @@ from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
 from kvgate.training.data import KVGateDataModule
 from kvgate.training.module import KVGateModule
-from kvgate.training.strategies import CPUDeepSpeedStrategy  # registers "deepspeed_cpu"
 
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"
 

@@ -20,9 +20,8 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from pathlib import Path
-
 from contextlib import contextmanager
+from pathlib import Path
 
 import torch
 
