@@ -20,6 +20,10 @@ from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
 from kvgate.training.data import KVGateDataModule
 from kvgate.training.module import KVGateModule
+from kvgate.training.strategies import CPUDeepSpeedStrategy
+
+# importing the strategies module registers "deepspeed_cpu" with Lightning
+__all__ = ["CPUDeepSpeedStrategy", "KVGateCLI", "main"]
 
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"
 
