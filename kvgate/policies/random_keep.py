@@ -15,28 +15,26 @@ from torch import Tensor
 from kvgate.policies.base import (
     Budget,
     LayerPrompt,
-    Policy,
+    ScoredPolicy,
     check_int,
-    check_prompt,
-    keep_all,
     real_index,
-    select_topk,
 )
 from kvgate.policies.nacl import layer_seed
 
 
 @dataclass
-class RandomKeep(Policy):
-    """Uniformly random kept entries; ``seed`` picks the draw."""
+class RandomKeep(ScoredPolicy):
+    """Uniformly random kept entries (random scores, top ``B``); ``seed`` picks the draw."""
 
     seed: int = 0
 
     name = "random"
+    needs_attention = False
 
     def __post_init__(self) -> None:
         check_int(self.name, "seed", self.seed, 0)
 
-    def noise(self, prompt: LayerPrompt) -> Tensor:
+    def scores(self, prompt: LayerPrompt, budget: Budget | None = None) -> Tensor:
         """Uniform scores ``[B, H_kv, n]`` indexed by (head, index among real tokens)."""
         hk = prompt.key.shape[1]
         gen = torch.Generator().manual_seed(layer_seed(self.seed, prompt.layer_idx))
@@ -44,13 +42,3 @@ class RandomKeep(Policy):
         u = torch.rand((length, hk), generator=gen)
         idx = real_index(prompt.valid).clamp(min=0).cpu()
         return u[idx].permute(0, 2, 1).to(prompt.key.device)
-
-    def keep(self, prompt: LayerPrompt, budget: Budget) -> Tensor:
-        """``[B, H_kv, n]`` bool with exactly min(B, n_real) True per head."""
-        check_prompt(prompt)
-        b, hk, n = prompt.key.shape[:3]
-        kept = budget.per_sample(prompt.n_real)
-        if bool((kept >= prompt.n_real).all()):
-            return keep_all(prompt)
-        none = torch.zeros((b, hk, n), dtype=torch.bool, device=prompt.key.device)
-        return select_topk(self.noise(prompt), kept, none, prompt.valid)
