@@ -101,7 +101,7 @@ def main() -> int:
         impl = {"kvgate": "kvgate", "materialised": "materialised"}
     data = CPTDataModule(source="embedded", max_docs=200, seq_len=args.seq_len,
                          batch_size=args.batch, val_fraction=0.0)
-    data.tokenizer = regimes["lora"][0].tokenizer
+    data.tokenizer = next(iter(regimes.values()))[0].tokenizer
     blocks = data.train_dataset()
     n_batches = args.steps + 1
     if len(blocks) < n_batches * args.batch:

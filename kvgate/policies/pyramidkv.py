@@ -70,7 +70,7 @@ class PyramidKV(SnapKV):
 
     def layer_budget(self, prompt: LayerPrompt, kept: Tensor) -> Tensor:
         """Entries per head in this layer ([B] long, window included)."""
-        w = self.window_len(kept)
+        w = self.window_len(kept, prompt.n_real)
         sel = pyramid_selected(kept - w, prompt.n_real - w, prompt.layer_idx,
                                prompt.num_layers, self.beta, self.integer_step)
         return sel + w

@@ -9,6 +9,9 @@ Defaults follow the LongBench configuration used by the SnapKV / Ada-KV / AhaKV 
 ``window=32, kernel=7, pooling="max"`` (the SnapKV code default is avg pooling, kernel 5).
 ``aggregate`` sums the window rows (SnapKV) or averages them (Ada-KV, kvpress): same ranking.
 A budget smaller than the window keeps the last ``B`` tokens (the window is clipped).
+``window`` may also be a float share of the prompt (``0.1`` = its last 10%, at least one
+token): the papers' 32 rows were chosen for LongBench prompts of thousands of tokens, and on
+a 60-token prompt at 50% a 32-token window is the whole budget, i.e. a local window.
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ from kvgate.policies.base import (
 class SnapKV(ScoredPolicy):
     """Window-voted, pooled attention scores; the window is always kept."""
 
-    window: int = 32
+    window: int | float = 32
     kernel: int = 7
     pooling: str = "max"
     aggregate: str = "mean"
@@ -45,7 +48,12 @@ class SnapKV(ScoredPolicy):
     name = "snapkv"
 
     def __post_init__(self) -> None:
-        check_int(self.name, "window", self.window, 1)
+        if isinstance(self.window, float):
+            if not 0.0 < self.window <= 1.0:
+                raise option_error(self.name, "window", "a float share must lie in (0, 1]",
+                                   self.window)
+        else:
+            check_int(self.name, "window", self.window, 1)
         check_int(self.name, "kernel", self.kernel, 1)
         if self.kernel % 2 == 0:
             raise option_error(self.name, "kernel", "must be odd (same-length pooling)",
@@ -54,24 +62,32 @@ class SnapKV(ScoredPolicy):
         check_choice(self.name, "aggregate", self.aggregate, ("mean", "sum"))
         check_choice(self.name, "gqa", self.gqa, ("mean", "max"))
 
-    def window_len(self, kept: Tensor) -> Tensor:
+    def window_tokens(self, n_real: Tensor) -> Tensor:
+        """Observation-window rows per sample ([B] long, at least 1, at most the prompt)."""
+        if isinstance(self.window, float):
+            w = torch.floor(n_real.to(torch.float64) * self.window + 1e-9).long()
+        else:
+            w = torch.full_like(n_real, self.window)
+        return torch.minimum(w.clamp(min=1), n_real.clamp(min=1))
+
+    def window_len(self, kept: Tensor, n_real: Tensor) -> Tensor:
         """Window entries inside a budget of ``kept`` per head (clipped to the budget)."""
-        return kept.clamp(max=self.window)
+        return torch.minimum(kept, self.window_tokens(n_real))
 
     def scores(self, prompt: LayerPrompt, budget: Budget | None = None) -> Tensor:
         """Pooled window votes ``[B, H_kv, n]``; window and padding columns hold 0."""
         n = prompt.query.shape[2]
+        w = self.window_tokens(prompt.n_real)
+        window = last_real(prompt.valid, w)
         sums = attention_sums(prompt.query, prompt.key, prompt.valid, prompt.scaling,
-                              n - self.window)
+                              n - int(w.max()), row_weight=window[:, 0])
         if self.aggregate == "mean":
-            rows = prompt.n_real.clamp(max=self.window).clamp(min=1)
-            sums = sums / rows.view(-1, 1, 1).to(sums.dtype)
+            sums = sums / w.view(-1, 1, 1).to(sums.dtype)
         s = gqa_reduce(sums, prompt.key.shape[1], self.gqa)
-        window = last_real(prompt.valid, torch.full_like(prompt.n_real, self.window))
         prefix = prompt.valid[:, None, :] & ~window
         # pool the prefix only, so window votes never leak into their neighbours' scores
         return pool1d(s, self.kernel, self.pooling, mask=prefix).masked_fill(~prefix, 0.0)
 
     def forced(self, prompt: LayerPrompt, kept: Tensor) -> Tensor:
         b, hk, n = prompt.key.shape[:3]
-        return last_real(prompt.valid, self.window_len(kept)).expand(b, hk, n)
+        return last_real(prompt.valid, self.window_len(kept, prompt.n_real)).expand(b, hk, n)

@@ -57,6 +57,37 @@ def test_a_budget_below_the_window_keeps_the_newest_tokens():
 
 
 def test_options_are_validated():
-    for bad in ({"window": 0}, {"kernel": 2}, {"pooling": "median"}, {"gqa": "sum"}):
+    for bad in ({"window": 0}, {"window": 1.5}, {"window": 0.0}, {"kernel": 2},
+                {"pooling": "median"}, {"gqa": "sum"}):
         with pytest.raises(PolicyError, match="snapkv." + next(iter(bad))):
             SnapKV(**bad)
+
+
+def test_share_window_scales_with_each_prompt():
+    """window=0.25: a 20-token prompt votes with its last 5 rows, a 9-token one with its last 2
+    (left-padded in one batch), and each keeps exactly that window plus the top scores."""
+    prompt = make_prompt(lengths=(20, 9))
+    policy = SnapKV(window=0.25, kernel=1)
+    assert policy.window_tokens(prompt.n_real).tolist() == [5, 2]
+    keep = policy.keep(prompt, Budget(tokens=8))
+    assert set(range(15, 20)) <= kept_positions(keep, 0, 0)
+    assert {18, 19} <= kept_positions(keep, 1, 0)
+    assert keep.sum(-1).tolist() == [[8, 8], [8, 8]]
+
+
+def test_share_window_matches_the_same_window_in_tokens():
+    prompt = make_prompt(lengths=(24,))
+    share, tokens = SnapKV(window=0.25), SnapKV(window=6)
+    assert torch.equal(share.scores(prompt), tokens.scores(prompt))
+    assert torch.equal(share.keep(prompt, Budget(ratio=0.5)), tokens.keep(prompt, Budget(ratio=0.5)))
+
+
+def test_share_window_leaves_room_for_voted_entries_on_short_prompts():
+    """The failure the share fixes: at 50% of a 40-token prompt a 32-token window is the whole
+    budget (a local window); a 10% window keeps 4 recent tokens and votes for the other 16."""
+    prompt = make_prompt(lengths=(40,))
+    fixed = SnapKV().keep(prompt, Budget(ratio=0.5))
+    assert kept_positions(fixed, 0, 0) == set(range(20, 40))
+    share = SnapKV(window=0.1).keep(prompt, Budget(ratio=0.5))
+    assert kept_positions(share, 0, 0) != set(range(20, 40))
+    assert set(range(36, 40)) <= kept_positions(share, 0, 0)

@@ -1,0 +1,67 @@
+"""Markdown table of the issue-#7 ablation: each gate's held-out perplexity at a fixed context
+next to the heuristics at the kept ratio nearest to the gate's own eviction.
+
+    python bench/summarize_ablation.py results/ppl_ctx256 [results/ppl_ctx1024 ...]
+
+Each folder holds ``gate_<run>/results.json`` (one gated checkpoint each, from
+``bench/run_results.sh pplctx``) and ``heuristics/results.json`` (base model: ``full`` and the
+heuristics at one or more kept ratios). A heuristic is reported at the budget whose measured
+%Evict is closest to the gate's; the gap is printed so a mismatch is visible.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+HEURISTICS = ("h2o", "snapkv", "streaming", "random")
+
+
+def load(path: Path) -> dict:
+    return json.loads(path.read_text())["results"] if path.is_file() else {}
+
+
+def table(folder: Path) -> list[str]:
+    heur = load(folder / "heuristics" / "results.json")
+    full = [r for r in heur.values() if r["policy"] == "full" and r.get("complete")]
+    rows = []
+    task = None
+    for gate_file in sorted(folder.glob("gate_*/results.json")):
+        for rec in load(gate_file).values():
+            task = rec["task"]
+            line = [gate_file.parent.name.removeprefix("gate_"), f"{rec['evict_pct']:.1f}",
+                    f"{rec['ppl']:.3f}" if rec.get("complete") else
+                    f"{rec['ppl']:.3f} (partial {rec['n']})"]
+            best = None
+            for name in HEURISTICS:
+                cands = [r for r in heur.values() if r["policy"] == name and r.get("complete")]
+                if not cands:
+                    line.append("-")
+                    continue
+                near = min(cands, key=lambda r: abs(r["evict_pct"] - rec["evict_pct"]))
+                line.append(f"{near['ppl']:.3f} @ {near['evict_pct']:.1f}")
+                best = near["ppl"] if best is None else min(best, near["ppl"])
+            gap = "-" if best is None else f"{rec['ppl'] - best:+.3f}"
+            rows.append("| " + " | ".join(line + [gap]) + " |")
+    head = [f"context {folder.name} ({task}); base model PPL "
+            + (f"{full[0]['ppl']:.3f} over {full[0]['tokens']:,} tokens" if full else "n/a"),
+            "",
+            "| gate (run) | gate %Evict | gate PPL | " + " | ".join(
+                f"{h} PPL @ %Evict" for h in HEURISTICS) + " | gate - best heuristic |",
+            "|---" * (4 + len(HEURISTICS)) + "|"]
+    return head + rows + [""]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("folders", nargs="+", type=Path)
+    args = parser.parse_args()
+    for folder in args.folders:
+        print("\n".join(table(folder)))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
