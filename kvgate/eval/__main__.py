@@ -17,7 +17,8 @@ Every run appends to ``OUT/results.json`` (resumable: finished keys and examples
 and rewrites ``OUT/results.md`` and the plots. Budgets are ratios of each context's real
 length (0.5 keeps half the entries of every KV head) or integer token counts (> 1).
 Policy options: ``--policy-opt snapkv.window=16`` (repeatable; VALUE parsed as JSON when it
-can be). Bad arguments print one line and exit 2.
+can be). ``--policies snapkv,snapkv10=snapkv --policy-opt snapkv10.window=0.1`` runs one
+policy under a second label with other options. Bad arguments print one line and exit 2.
 """
 
 from __future__ import annotations
@@ -146,9 +147,18 @@ def parse_policies(raw: str, options: list[str]) -> dict[str, Any]:
     from kvgate.eval.masked import EvalError
     from kvgate.policies import get_policy, list_policies
 
-    names = list_policies() if raw.strip() == "all" else _csv(raw)
-    if not names:
+    items = list_policies() if raw.strip() == "all" else _csv(raw)
+    if not items:
         raise EvalError("--policies: give at least one policy")
+    # LABEL=POLICY runs one policy twice under different labels (e.g. two window settings)
+    kinds = {}
+    for item in items:
+        label, sep, kind = item.partition("=")
+        label, kind = label.strip(), (kind.strip() if sep else label.strip())
+        if not label or not kind or label in kinds:
+            raise EvalError(f"--policies: {item!r} is empty or repeats a label")
+        kinds[label] = kind
+    names = list(kinds)
     per: dict[str, dict[str, Any]] = {n: {} for n in names}
     for item in options:
         target, sep, raw_value = item.partition("=")
@@ -161,7 +171,7 @@ def parse_policies(raw: str, options: list[str]) -> dict[str, Any]:
             per[name][key] = json.loads(raw_value)
         except json.JSONDecodeError:
             per[name][key] = raw_value
-    return {n: get_policy(n, **per[n]) for n in names}
+    return {n: get_policy(kinds[n], **per[n]) for n in names}
 
 
 def parse_tasks(raw: str) -> list[str]:

@@ -119,3 +119,14 @@ def _text(tmp_path):
     path = tmp_path / "held_out.txt"
     path.write_text("the quick brown fox jumps over the lazy dog again and again")
     return path
+
+
+def test_one_policy_under_two_labels_with_different_options():
+    policies = cli.parse_policies("snapkv,snap10=snapkv", ["snap10.window=0.1"])
+    assert list(policies) == ["snapkv", "snap10"]
+    assert policies["snapkv"].window == 32 and policies["snap10"].window == 0.1
+    assert policies["snap10"].name == "snapkv"
+    from kvgate.eval.masked import EvalError
+
+    with pytest.raises(EvalError, match="repeats a label"):
+        cli.parse_policies("snapkv,snapkv=h2o", [])
