@@ -6,13 +6,16 @@ next to the heuristics at the kept ratio nearest to the gate's own eviction.
 Each folder holds ``gate_<run>/results.json`` (one gated checkpoint each, from
 ``bench/run_results.sh pplctx``) and ``heuristics/results.json`` (base model: ``full`` and the
 heuristics at one or more kept ratios). A heuristic is reported at the budget whose measured
-%Evict is closest to the gate's; the gap is printed so a mismatch is visible.
+%Evict is closest to the gate's; the gap is printed so a mismatch is visible. The last column
+pairs the gate with the best of those heuristics window by window (same text): a 95% interval
+that excludes 0 is a difference the sample can resolve.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 from pathlib import Path
 
 HEURISTICS = ("h2o", "snapkv", "streaming", "random")
@@ -20,6 +23,19 @@ HEURISTICS = ("h2o", "snapkv", "streaming", "random")
 
 def load(path: Path) -> dict:
     return json.loads(path.read_text())["results"] if path.is_file() else {}
+
+
+def paired_gap(gate: dict, heur: dict) -> str:
+    """Gate minus heuristic in log-perplexity, paired over the same windows: mean per-token
+    NLL difference with a normal 95% interval over windows (windows are equally long)."""
+    a, b = gate.get("examples", {}), heur.get("examples", {})
+    diffs = [(-a[u]["ll"][0] + b[u]["ll"][0]) / a[u]["tokens"][0] for u in a if u in b]
+    if len(diffs) < 2:
+        return "-"
+    mean = sum(diffs) / len(diffs)
+    var = sum((d - mean) ** 2 for d in diffs) / (len(diffs) - 1)
+    half = 1.96 * math.sqrt(var / len(diffs))
+    return f"{mean:+.4f} [{mean - half:+.4f}, {mean + half:+.4f}] (n={len(diffs)})"
 
 
 def table(folder: Path) -> list[str]:
@@ -41,15 +57,18 @@ def table(folder: Path) -> list[str]:
                     continue
                 near = min(cands, key=lambda r: abs(r["evict_pct"] - rec["evict_pct"]))
                 line.append(f"{near['ppl']:.3f} @ {near['evict_pct']:.1f}")
-                best = near["ppl"] if best is None else min(best, near["ppl"])
-            gap = "-" if best is None else f"{rec['ppl'] - best:+.3f}"
-            rows.append("| " + " | ".join(line + [gap]) + " |")
+                if best is None or near["ppl"] < best[0]["ppl"]:
+                    best = (near, name)
+            gap = "-" if best is None else f"{rec['ppl'] - best[0]['ppl']:+.3f}"
+            paired = "-" if best is None else paired_gap(rec, best[0])
+            rows.append("| " + " | ".join(line + [gap, paired]) + " |")
     head = [f"context {folder.name} ({task}); base model PPL "
             + (f"{full[0]['ppl']:.3f} over {full[0]['tokens']:,} tokens" if full else "n/a"),
             "",
             "| gate (run) | gate %Evict | gate PPL | " + " | ".join(
-                f"{h} PPL @ %Evict" for h in HEURISTICS) + " | gate - best heuristic |",
-            "|---" * (4 + len(HEURISTICS)) + "|"]
+                f"{h} PPL @ %Evict" for h in HEURISTICS)
+            + " | gate - best heuristic | paired log-PPL gap, 95% CI |",
+            "|---" * (5 + len(HEURISTICS)) + "|"]
     return head + rows + [""]
 
 
