@@ -13,7 +13,12 @@ HEUR=full,streaming,window,h2o,tova,snapkv,adakv,nacl,ahakv
 case "${1:-all}" in
   base)   # every heuristic at 50 % on the base model (7 tasks, masked mode)
     python -m kvgate.eval mc --model smollm2-135m --tasks $TASKS7 --limit 30 \
-      --policies $HEUR --budgets 0.5 --mode masked --no-progress --out results/mc_base_050 ;;
+      --policies $HEUR --budgets 0.5 --mode masked --no-progress --out results/mc_base_050
+    python -m kvgate.eval mc --model smollm2-135m --tasks $TASKS7 --limit 30 \
+      --policies pyramidkv,random,snapkv10=snapkv --policy-opt snapkv10.window=0.1 \
+      --budgets 0.5 --mode masked --no-progress --out results/mc_base_050
+    python -m kvgate.eval mc --model smollm2-135m --tasks $TASKS7 --limit 30 --policies roco \
+      --budgets 0.5 --mode cache --no-progress --out results/mc_base_050 ;;
   cpt)    # CPT: paper recipe (gates + LoRA) and the small-compute recipe (gates only)
     python train.py --config cpt_demo
     python train.py --config cpt_recipe ;;
