@@ -57,10 +57,10 @@ def table(folder: Path) -> list[str]:
                     continue
                 near = min(cands, key=lambda r: abs(r["evict_pct"] - rec["evict_pct"]))
                 line.append(f"{near['ppl']:.3f} @ {near['evict_pct']:.1f}")
-                if best is None or near["ppl"] < best[0]["ppl"]:
-                    best = (near, name)
-            gap = "-" if best is None else f"{rec['ppl'] - best[0]['ppl']:+.3f}"
-            paired = "-" if best is None else paired_gap(rec, best[0])
+                if best is None or near["ppl"] < best["ppl"]:
+                    best = near
+            gap = "-" if best is None else f"{rec['ppl'] - best['ppl']:+.3f}"
+            paired = "-" if best is None else paired_gap(rec, best)
             rows.append("| " + " | ".join(line + [gap, paired]) + " |")
     head = [f"context {folder.name} ({task}); base model PPL "
             + (f"{full[0]['ppl']:.3f} over {full[0]['tokens']:,} tokens" if full else "n/a"),

@@ -339,10 +339,10 @@ def evaluate_ppl(model: nn.Module, tokenizer: Any, texts: Sequence[str],
     """Perplexity of the second part of each text given its compressed first part; with
     ``context``, of fixed windows of the joined texts instead (``ppl_window_items``)."""
     check_mode(mode)
+    continuation = continuation or context
     if context is not None:
-        items = ppl_window_items(tokenizer, texts, context, continuation or context, windows,
-                                 name)
-        extra = {"context": context, "continuation": continuation or context}
+        items = ppl_window_items(tokenizer, texts, context, continuation, windows, name)
+        extra = {"context": context, "continuation": continuation}
     else:
         items = ppl_items(tokenizer, texts, max_length, prefix, name)
         extra = {"max_length": max_length, "prefix": prefix}
@@ -352,7 +352,7 @@ def evaluate_ppl(model: nn.Module, tokenizer: Any, texts: Sequence[str],
         buds: Sequence[Budget | None] = [None] if policy.name in BUDGET_FREE else budgets
         for bud in buds:
             fixed = bud or Budget(ratio=1.0)
-            task = name if context is None else f"{name}@{context}+{continuation or context}"
+            task = name if context is None else f"{name}@{context}+{continuation}"
             key = make_key("ppl", task, pname, budget_label(bud), mode)
             run_items(model, items, policy, lambda _u, b=fixed: b, mode, store, key,
                       ppl_summary, extra, batch_size, pad, progress, record_budget=bud is not None)

@@ -251,6 +251,23 @@ def real_index(valid: Tensor) -> Tensor:
     return valid.long().cumsum(-1) - 1
 
 
+def layer_seed(seed: int, layer_idx: int) -> int:
+    """One RNG seed per (seed, layer): layers draw independent streams."""
+    return (seed * 0x9E3779B1 + layer_idx * 0x85EBCA77 + 0x165667B1) % (2 ** 63 - 1)
+
+
+def seeded_uniform(prompt: LayerPrompt, seed: int, dtype: torch.dtype = torch.float32) -> Tensor:
+    """Uniform [0, 1) draws ``[B, H_kv, n]`` from a CPU generator seeded per (seed, layer),
+    drawn position-major and indexed by each token's index among the real tokens: every head
+    gets its own stream and a left-padded sample draws what it would draw alone."""
+    hk = prompt.key.shape[1]
+    gen = torch.Generator().manual_seed(layer_seed(seed, prompt.layer_idx))
+    length = int(prompt.n_real.max().clamp(min=1))
+    u = torch.rand((length, hk), generator=gen, dtype=dtype)
+    idx = real_index(prompt.valid).clamp(min=0).cpu()
+    return u[idx].permute(0, 2, 1).to(prompt.key.device)
+
+
 def first_real(valid: Tensor, count: Tensor) -> Tensor:
     """The first ``count`` real tokens: valid [B, n], count [B] or [B, Hk] -> [B, 1|Hk, n]."""
     count = count.view(valid.shape[0], -1, 1)

@@ -36,15 +36,10 @@ from kvgate.policies.base import (
     keep_all,
     last_real,
     option_error,
-    real_index,
     resolve_share,
+    seeded_uniform,
     select_topk,
 )
-
-
-def layer_seed(seed: int, layer_idx: int) -> int:
-    """One RNG seed per (seed, layer): layers draw independent streams."""
-    return (seed * 0x9E3779B1 + layer_idx * 0x85EBCA77 + 0x165667B1) % (2 ** 63 - 1)
 
 
 @dataclass
@@ -81,13 +76,8 @@ class NaCl(ScoredPolicy):
 
     def gumbel(self, prompt: LayerPrompt) -> Tensor:
         """Gumbel noise ``[B, H_kv, n]`` indexed by (head, index among real tokens)."""
-        hk = prompt.key.shape[1]
-        gen = torch.Generator().manual_seed(layer_seed(self.seed, prompt.layer_idx))
-        length = int(prompt.n_real.max().clamp(min=1))
-        u = torch.rand((length, hk), generator=gen, dtype=torch.float64)
-        g = -torch.log(-torch.log(u.clamp(1e-12, 1.0 - 1e-12)))
-        idx = real_index(prompt.valid).clamp(min=0).cpu()
-        return g[idx].permute(0, 2, 1).to(device=prompt.key.device, dtype=torch.float32)
+        u = seeded_uniform(prompt, self.seed, torch.float64)
+        return (-torch.log(-torch.log(u.clamp(1e-12, 1.0 - 1e-12)))).to(torch.float32)
 
     def split(self, kept: Tensor, n_real: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """(sinks, protected recent, proxy top C_p, random C_r) per sample, [B] long each."""

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
 from torch import Tensor
 
 from kvgate.policies.base import (
@@ -17,9 +16,8 @@ from kvgate.policies.base import (
     LayerPrompt,
     ScoredPolicy,
     check_int,
-    real_index,
+    seeded_uniform,
 )
-from kvgate.policies.nacl import layer_seed
 
 
 @dataclass
@@ -36,9 +34,4 @@ class RandomKeep(ScoredPolicy):
 
     def scores(self, prompt: LayerPrompt, budget: Budget | None = None) -> Tensor:
         """Uniform scores ``[B, H_kv, n]`` indexed by (head, index among real tokens)."""
-        hk = prompt.key.shape[1]
-        gen = torch.Generator().manual_seed(layer_seed(self.seed, prompt.layer_idx))
-        length = int(prompt.n_real.max().clamp(min=1))
-        u = torch.rand((length, hk), generator=gen)
-        idx = real_index(prompt.valid).clamp(min=0).cpu()
-        return u[idx].permute(0, 2, 1).to(prompt.key.device)
+        return seeded_uniform(prompt, self.seed)

@@ -32,6 +32,7 @@ from kvgate.policies.base import (
     last_real,
     option_error,
     pool1d,
+    resolve_share,
 )
 
 
@@ -64,11 +65,7 @@ class SnapKV(ScoredPolicy):
 
     def window_tokens(self, n_real: Tensor) -> Tensor:
         """Observation-window rows per sample ([B] long, at least 1, at most the prompt)."""
-        if isinstance(self.window, float):
-            w = torch.floor(n_real.to(torch.float64) * self.window + 1e-9).long()
-        else:
-            w = torch.full_like(n_real, self.window)
-        return torch.minimum(w.clamp(min=1), n_real.clamp(min=1))
+        return torch.minimum(resolve_share(self.window, n_real).clamp(min=1), n_real.clamp(min=1))
 
     def window_len(self, kept: Tensor, n_real: Tensor) -> Tensor:
         """Window entries inside a budget of ``kept`` per head (clipped to the budget)."""

@@ -42,44 +42,39 @@ class TokensPerSecond(Callback):
         self._last = None  # validation time is not training time
 
 
-def retention_figure(per_head: Tensor):
-    """Heat map of retention [L, H_gate] (rows = layers, columns = gated heads)."""
+def _heat_map(data, width: float, cmap: str, xlabel: str, title: str, **imshow):
+    """A [layers, columns] map in [0, 1] with a colour bar; layers down the rows."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    data = per_head.detach().float().cpu().numpy()
-    fig, ax = plt.subplots(figsize=(max(3.5, 1.5 + 0.5 * data.shape[1]), 1.0 + 0.22 * data.shape[0]))
-    im = ax.imshow(data, vmin=0.0, vmax=1.0, cmap="viridis", aspect="auto")
-    ax.set_xlabel("gated head")
+    fig, ax = plt.subplots(figsize=(width, 1.0 + 0.22 * data.shape[0]))
+    im = ax.imshow(data, vmin=0.0, vmax=1.0, cmap=cmap, aspect="auto", **imshow)
+    ax.set_xlabel(xlabel)
     ax.set_ylabel("layer")
-    ax.set_title("retention (1 = keep)")
+    ax.set_title(title)
     fig.colorbar(im, ax=ax)
     fig.tight_layout()
     return fig
+
+
+def retention_figure(per_head: Tensor):
+    """Heat map of retention [L, H_gate] (rows = layers, columns = gated heads)."""
+    data = per_head.detach().float().cpu().numpy()
+    return _heat_map(data, max(3.5, 1.5 + 0.5 * data.shape[1]), "viridis", "gated head",
+                     "retention (1 = keep)")
 
 
 def token_flags_figure(flags: Tensor, counted: Tensor | None = None):
     """Keep flags of one sample, tokens x layers (the paper's Figure 1 view): ``flags``
     [L, H_gate, n] -> image [L, n] of the share of heads that keep each token."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     data = flags.detach().float().mean(1)
     if counted is not None:
         data = data[:, counted.bool()]
     data = data.cpu().numpy()
-    fig, ax = plt.subplots(figsize=(min(16.0, 2.0 + 0.04 * data.shape[1]), 1.0 + 0.22 * data.shape[0]))
-    im = ax.imshow(data, vmin=0.0, vmax=1.0, cmap="gray", aspect="auto", interpolation="nearest")
-    ax.set_xlabel("token")
-    ax.set_ylabel("layer")
-    ax.set_title("kept share of heads per token (white = kept)")
-    fig.colorbar(im, ax=ax)
-    fig.tight_layout()
-    return fig
+    return _heat_map(data, min(16.0, 2.0 + 0.04 * data.shape[1]), "gray", "token",
+                     "kept share of heads per token (white = kept)", interpolation="nearest")
 
 
 class EvictionImageLogger(Callback):
