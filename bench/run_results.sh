@@ -50,7 +50,7 @@ case "${1:-all}" in
     python -m kvgate.eval ppl --checkpoint "$ck" --policies streaming,h2o,tova,snapkv \
       --budgets "$budgets" --docs 40 --max-length 512 --no-progress --out "$out" ;;
   ablation) # issue #7 ablation: cpt_recipe with switches taken away (configs/ablation/)
-    for v in lm_alpha20 distill distill_protected; do
+    for v in lm_alpha20 distill distill_protected distill_protected_long; do
       python train.py --config cpt_recipe --config configs/ablation/$v.yaml
     done ;;
   pplctx) # perplexity at a fixed context: every gate, then the heuristics at each gate's eviction

@@ -6,9 +6,11 @@ next to the heuristics at the kept ratio nearest to the gate's own eviction.
 Each folder holds ``gate_<run>/results.json`` (one gated checkpoint each, from
 ``bench/run_results.sh pplctx``) and ``heuristics/results.json`` (base model: ``full`` and the
 heuristics at one or more kept ratios). A heuristic is reported at the budget whose measured
-%Evict is closest to the gate's; the gap is printed so a mismatch is visible. The last column
-pairs the gate with the best of those heuristics window by window (same text): a 95% interval
-that excludes 0 is a difference the sample can resolve.
+%Evict is closest to the gate's; the gap is printed so a mismatch is visible. Every heuristic
+perplexity is taken over the gate's own windows (a run extended with more ``--windows`` is
+compared on the same text only). The last column pairs the gate with the best of those
+heuristics window by window: a 95% interval that excludes 0 is a difference the sample can
+resolve.
 """
 
 from __future__ import annotations
@@ -23,6 +25,13 @@ HEURISTICS = ("h2o", "snapkv", "streaming", "random")
 
 def load(path: Path) -> dict:
     return json.loads(path.read_text())["results"] if path.is_file() else {}
+
+
+def ppl_over(rec: dict, uids: set[str]) -> float:
+    """Perplexity of ``rec`` over the windows ``uids`` (those it has)."""
+    ex = [r for u, r in rec.get("examples", {}).items() if u in uids]
+    tokens = sum(r["tokens"][0] for r in ex)
+    return math.exp(-sum(r["ll"][0] for r in ex) / tokens) if tokens else math.nan
 
 
 def paired_gap(gate: dict, heur: dict) -> str:
@@ -49,17 +58,18 @@ def table(folder: Path) -> list[str]:
             line = [gate_file.parent.name.removeprefix("gate_"), f"{rec['evict_pct']:.1f}",
                     f"{rec['ppl']:.3f}" if rec.get("complete") else
                     f"{rec['ppl']:.3f} (partial {rec['n']})"]
-            best = None
+            best, best_ppl, uids = None, math.inf, set(rec.get("examples", {}))
             for name in HEURISTICS:
                 cands = [r for r in heur.values() if r["policy"] == name and r.get("complete")]
                 if not cands:
                     line.append("-")
                     continue
                 near = min(cands, key=lambda r: abs(r["evict_pct"] - rec["evict_pct"]))
-                line.append(f"{near['ppl']:.3f} @ {near['evict_pct']:.1f}")
-                if best is None or near["ppl"] < best["ppl"]:
-                    best = near
-            gap = "-" if best is None else f"{rec['ppl'] - best['ppl']:+.3f}"
+                near_ppl = ppl_over(near, uids)
+                line.append(f"{near_ppl:.3f} @ {near['evict_pct']:.1f}")
+                if best is None or near_ppl < best_ppl:
+                    best, best_ppl = near, near_ppl
+            gap = "-" if best is None else f"{rec['ppl'] - best_ppl:+.3f}"
             paired = "-" if best is None else paired_gap(rec, best)
             rows.append("| " + " | ".join(line + [gap, paired]) + " |")
     head = [f"context {folder.name} ({task}); base model PPL "

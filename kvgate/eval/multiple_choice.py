@@ -208,12 +208,13 @@ def run_resumable(store: ResultStore, key: str, items: Sequence[Any],
     """Score ``items`` (each with a ``uid``) under one key, skipping what is stored.
 
     ``score(batch)`` returns one record per item. Items go longest first (an out-of-memory
-    shows at once, not at the end); the store is updated after every batch.
+    shows at once, not at the end); the store is updated after every batch. A complete key
+    asked for items it lacks (a larger ``--limit`` or ``--windows``) scores only those.
     """
-    if store.is_complete(key):
+    done = store.examples(key)
+    if store.is_complete(key) and all(it.uid in done for it in items):
         return store.results[key]
     extra = dict(extra or {})
-    done = store.examples(key)
     todo = sorted((it for it in items if it.uid not in done), key=lambda it: -item_size(it))
     batches = [todo[i: i + batch_size] for i in range(0, len(todo), max(1, batch_size))]
     for batch in tqdm(batches, desc=key, disable=not progress, leave=False):

@@ -4,6 +4,11 @@ The gate decides per token and KV head; the budget does not enter (the eviction 
 whatever the gate learned, reported as %Evict). The flags are applied *inside* the prefill as
 the paper's eq. 5 (``encode_mask``: later prompt rows see only kept entries), then the cache
 is compacted to the kept entries. Decode tokens are not gated.
+
+``tail`` (inference option, default 0): the last prompt tokens (an int count or a float share
+of the prompt) stay in the cache whatever the gate says, as every heuristic keeps its
+observation / recent window. A causal gate flags each token when it is written and cannot know
+which tokens will end the prompt; the tail supplies that. Tail tokens count as kept in %Evict.
 """
 
 from __future__ import annotations
@@ -13,7 +18,15 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from kvgate.policies.base import Budget, LayerPrompt, Policy, PolicyError
+from kvgate.policies.base import (
+    Budget,
+    LayerPrompt,
+    Policy,
+    PolicyError,
+    check_share,
+    last_real,
+    resolve_share,
+)
 
 
 @dataclass
@@ -23,6 +36,10 @@ class AttentionGatePolicy(Policy):
     needs_attention = False
     decode_eviction = False
     encode_recent = 0  # set from the gate's config by keep(): recent band inside the prefill
+    tail: float | int = 0
+
+    def __post_init__(self) -> None:
+        check_share(self.name, "tail", self.tail)
 
     def keep(self, prompt: LayerPrompt, budget: Budget | None = None) -> Tensor:
         """[B, H_kv, n] bool from the layer's gate (per-query-head gates: union over the
@@ -47,9 +64,9 @@ class AttentionGatePolicy(Policy):
         # the prefill must show each query its last `recent` keys, as training did (the cache
         # reads this after keep())
         self.encode_recent = recent
-        if recent:
-            # the last `recent` prompt tokens stay: every later query would see them anyway
-            n_real = prompt.valid.sum(-1, keepdim=True)
-            rank_from_end = n_real - torch.cumsum(prompt.valid.long(), -1)
-            flags = flags | (prompt.valid & (rank_from_end < recent))[:, None, :]
+        # the last `recent` prompt tokens stay (every later query would see them anyway), and
+        # the inference-time tail if it is longer
+        n_real = prompt.valid.sum(-1)
+        last = torch.maximum(resolve_share(self.tail, n_real), torch.full_like(n_real, recent))
+        flags = flags | last_real(prompt.valid, torch.minimum(last, n_real))
         return flags & prompt.valid[:, None, :]

@@ -83,3 +83,35 @@ def test_attention_gate_prefill_equals_the_gated_model(model, protected):
         assert out.shape == (2, 23)
     finally:
         unpatch(model)
+
+
+@pytest.mark.parametrize("tail, want", [(5, [5, 5]), (0.25, [5, 3]), (0, [0, 0])])
+def test_attention_gate_tail_keeps_the_last_prompt_tokens(model, tail, want):
+    """With gates that evict everything (tau 0.999), the cache holds exactly the tail: an int
+    count, or a share of each row's own (left-padded) length."""
+    from kvgate.gate import GateConfig, patch, unpatch
+    from kvgate.models import dispatch
+
+    patch(model, GateConfig(gamma=0.0, tau=0.999))
+    try:
+        dispatch.install(model)
+        ids = torch.randint(1, 128, (2, 20), generator=torch.Generator().manual_seed(0))
+        mask = torch.ones_like(ids)
+        mask[1, :6] = 0  # 14 real tokens: a 0.25 share is 3
+        cache = CompressedCache(model, get_policy("attention_gate", tail=tail), Budget(ratio=1.0))
+        with torch.no_grad():
+            model(ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
+                  past_key_values=cache)
+        for layer in range(model.config.num_hidden_layers):
+            held = cache.kept_counts(layer)
+            assert held.tolist() == [[w] * held.shape[1] for w in want]
+    finally:
+        unpatch(model)
+
+
+@pytest.mark.parametrize("bad", [-1, 1.5, "end"])
+def test_attention_gate_tail_is_checked(bad):
+    from kvgate.policies.base import PolicyError
+
+    with pytest.raises(PolicyError, match="tail"):
+        get_policy("attention_gate", tail=bad)

@@ -116,6 +116,12 @@ def test_second_run_skips_finished_keys_and_examples(tiny_llama, tmp_path):
     evaluate_mc(tiny_llama, TOK, tasks, policies, [], "masked", store(tmp_path), progress=False)
     assert CountingFull.rows == 3
     assert store(tmp_path).results[key]["n"] == 5
+    # a complete key asked for more examples (a larger --limit) scores only the new ones
+    CountingFull.rows = 0
+    evaluate_mc(tiny_llama, TOK, {"toy": examples(7)}, policies, [], "masked", store(tmp_path),
+                progress=False)
+    rec = store(tmp_path).results[key]
+    assert CountingFull.rows == 2 and rec["complete"] and rec["n"] == 7
 
 
 def test_interrupted_run_keeps_partial_results(tiny_llama, tmp_path):

@@ -184,3 +184,20 @@ def test_ppl_window_mode_scores_only_the_continuations(tiny_llama, tmp_path):
     rec = st.results[key]
     assert "@12+6" in key and rec["tokens"] == 3 * 6 and rec["n"] == 3
     assert rec["evict_pct"] == pytest.approx(50.0, abs=5)
+
+
+def test_more_ppl_windows_extend_a_finished_run(tiny_llama, tmp_path):
+    """--windows 2 then --windows 4 scores windows 3-4 only and equals a fresh 4-window run."""
+    texts = ["the cat sat on the mat and looked at the door for a long while"] * 4
+    ext = ResultStore(tmp_path / "ext", {"model": "tiny", "checkpoint": None}, flush_s=0.0)
+    fresh = ResultStore(tmp_path / "fresh", {"model": "tiny", "checkpoint": None}, flush_s=0.0)
+    pol, bud = {"h2o": get_policy("h2o")}, [Budget(ratio=0.5)]
+    [key] = evaluate_ppl(tiny_llama, TOK, texts, pol, bud, ext, context=12, continuation=6,
+                         windows=2)
+    first = dict(ext.results[key]["examples"])
+    evaluate_ppl(tiny_llama, TOK, texts, pol, bud, ext, context=12, continuation=6, windows=4)
+    evaluate_ppl(tiny_llama, TOK, texts, pol, bud, fresh, context=12, continuation=6, windows=4)
+    got, want = ext.results[key], fresh.results[key]
+    assert got["complete"] and got["n"] == 4 and got["tokens"] == 4 * 6
+    assert all(got["examples"][uid] == rec for uid, rec in first.items())  # the first two kept
+    assert got["ppl"] == pytest.approx(want["ppl"], rel=1e-6)
