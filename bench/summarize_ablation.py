@@ -7,8 +7,8 @@ Each folder holds ``gate_<run>/results.json`` (one gated checkpoint each, from
 ``bench/run_results.sh pplctx``) and ``heuristics/results.json`` (base model: ``full`` and the
 heuristics at one or more kept ratios). A heuristic is reported at the budget whose measured
 %Evict is closest to the gate's; the gap is printed so a mismatch is visible. Every heuristic
-perplexity is taken over the gate's own windows (a run extended with more ``--windows`` is
-compared on the same text only). The last column pairs the gate with the best of those
+perplexity is taken over the gate's own windows; one scored on fewer of them is marked
+``(k/N windows)`` and not taken as the best (its number is over other text). The last column pairs the gate with the best of those
 heuristics window by window: a 95% interval that excludes 0 is a difference the sample can
 resolve.
 """
@@ -66,8 +66,12 @@ def table(folder: Path) -> list[str]:
                     continue
                 near = min(cands, key=lambda r: abs(r["evict_pct"] - rec["evict_pct"]))
                 near_ppl = ppl_over(near, uids)
-                line.append(f"{near_ppl:.3f} @ {near['evict_pct']:.1f}")
-                if best is None or near_ppl < best_ppl:
+                have = len(uids & set(near.get("examples", {})))
+                # a heuristic scored on fewer windows than the gate is shown, marked, and not
+                # taken as the best: its number is over other text
+                short = "" if have == len(uids) else f" ({have}/{len(uids)} windows)"
+                line.append(f"{near_ppl:.3f} @ {near['evict_pct']:.1f}{short}")
+                if not short and (best is None or near_ppl < best_ppl):
                     best, best_ppl = near, near_ppl
             gap = "-" if best is None else f"{rec['ppl'] - best_ppl:+.3f}"
             paired = "-" if best is None else paired_gap(rec, best)
