@@ -75,9 +75,20 @@ PY
     python -m kvgate.eval ppl --model smollm2-135m --policies full "${win[@]}" --out "$out/heuristics"
     python -m kvgate.eval ppl --model smollm2-135m --policies h2o,snapkv,streaming,random \
       --budgets "$budgets" "${win[@]}" --out "$out/heuristics" ;;
-  needle) # passkey retrieval by length and depth (rank scoring), base model
+  needle) # passkey retrieval by length and depth (rank scoring): base model 1k-8k, then a gate
     python -m kvgate.eval needle --model smollm2-135m --lengths 1024,2048 --depths 0,50,100 \
       --samples 2 --policies full,streaming,h2o,snapkv,tova --budgets 0.25 --scoring rank \
-      --no-progress --out results/needle ;;
+      --no-progress --out results/needle
+    python -m kvgate.eval needle --model smollm2-135m --lengths 4096,8192 --depths 0,50,100 \
+      --samples 1 --policies full,h2o,streaming,snapkv --budgets 0.25 --scoring rank \
+      --no-progress --out results/needle_long
+    # the 1,024-token-trained gate next to H2O / StreamingLLM (train it with the ablation step)
+    g=runs/abl_distill_protected_long/gated
+    python -m kvgate.eval needle --checkpoint $g --lengths 1024,2048 --depths 0,50,100 --samples 2 \
+      --policies attention_gate,h2o,streaming --budgets 0.4 --scoring rank --no-progress \
+      --out results/needle_gate
+    python -m kvgate.eval needle --checkpoint $g --lengths 4096 --depths 0,50,100 --samples 1 \
+      --policies attention_gate,h2o,streaming --budgets 0.4 --scoring rank --no-progress \
+      --out results/needle_gate ;;
   *) echo "usage: $0 base|cpt|sft|gate CKPT OUT|sfteval|ppl CKPT OUT BUDGETS|ablation|pplctx CTX CONT WINDOWS OUT GATE...|needle" >&2; exit 2 ;;
 esac
