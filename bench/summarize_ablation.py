@@ -8,9 +8,9 @@ Each folder holds ``gate_<run>/results.json`` (one gated checkpoint each, from
 heuristics at one or more kept ratios). A heuristic is reported at the budget whose measured
 %Evict is closest to the gate's; the gap is printed so a mismatch is visible. Every heuristic
 perplexity is taken over the gate's own windows; one scored on fewer of them is marked
-``(k/N windows)`` and not taken as the best (its number is over other text). The last column pairs the gate with the best of those
-heuristics window by window: a 95% interval that excludes 0 is a difference the sample can
-resolve.
+``(k/N windows)`` and not taken as the best (its number is over other text). The last column
+pairs the gate with the best of those heuristics window by window: a 95% interval that
+excludes 0 is a difference the sample can resolve.
 """
 
 from __future__ import annotations

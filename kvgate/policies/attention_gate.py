@@ -67,6 +67,6 @@ class AttentionGatePolicy(Policy):
         # the last `recent` prompt tokens stay (every later query would see them anyway), and
         # the inference-time tail if it is longer
         n_real = prompt.valid.sum(-1)
-        last = torch.maximum(resolve_share(self.tail, n_real), torch.full_like(n_real, recent))
-        flags = flags | last_real(prompt.valid, torch.minimum(last, n_real))
+        last = torch.maximum(resolve_share(self.tail, n_real), resolve_share(recent, n_real))
+        flags = flags | last_real(prompt.valid, last)
         return flags & prompt.valid[:, None, :]
