@@ -21,7 +21,8 @@ case "${1:-all}" in
       --budgets 0.5 --mode cache --no-progress --out results/mc_base_050 ;;
   cpt)    # CPT: paper recipe (gates + LoRA) and the small-compute recipe (gates only)
     python train.py --config cpt_demo
-    python train.py --config cpt_recipe ;;
+    # the `cpt_recipe` rows were trained with the warm start on (the default before the ablation)
+    python train.py --config cpt_recipe --model.recipe.warmstart_steps 30 ;;
   sft)    # SFT: gates + LoRA vs LoRA only on RTE and COPA
     for c in sft_demo_rte sft_demo_rte_lora sft_demo_copa sft_demo_copa_lora; do
       python train.py --config $c
@@ -52,7 +53,10 @@ case "${1:-all}" in
   ablation) # issue #7 ablation: cpt_recipe with switches taken away (configs/ablation/)
     for v in lm_alpha20 distill distill_protected distill_protected_long; do
       python train.py --config cpt_recipe --config configs/ablation/$v.yaml
-    done ;;
+    done
+    # the 1,024-token variant with a 128-token recent band (train and inference)
+    python train.py --config cpt_recipe --config configs/ablation/distill_protected_long.yaml \
+      --config configs/ablation/recent128_long.yaml ;;
   pplctx) # perplexity at a fixed context: every gate, then the heuristics at each gate's eviction
     ctx=$2; cont=$3; windows=$4; out=$5; shift 5
     gates=("$@")   # gated checkpoint folders, e.g. runs/cpt_recipe/gated runs/abl_distill/gated

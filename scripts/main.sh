@@ -2,8 +2,8 @@
 # The main job on the embedded defaults (SmolLM2-135M, embedded corpus, CPU):
 #   1. set-up (idempotent), then a foundation check: a short generation and the perplexity
 #      of the base model on corpus passages;
-#   2. train Attention-Gates with configs/cpt_recipe.yaml (the small-compute recipe: warm
-#      start, distillation, beta schedule, protected tokens) and export the gated checkpoint
+#   2. train Attention-Gates with configs/cpt_recipe.yaml (the small-compute recipe:
+#      distillation, beta schedule, protected tokens) and export the gated checkpoint
 #      (runs/cpt_recipe/gated);
 #   3. gated generation from that checkpoint with its stats table, next to SnapKV at the same
 #      kept share of the prompt.

@@ -155,10 +155,19 @@ def collate_options(examples: Sequence[dict[str, Any]], pad_id: int) -> dict[str
     return batch
 
 
-def collate_blocks(rows: Sequence[Tensor]) -> dict[str, Tensor]:
-    """Packed CPT blocks [seq_len] -> batch with every token labelled."""
+def collate_blocks(rows: Sequence[Tensor], continuation: int = 0) -> dict[str, Tensor]:
+    """Packed CPT blocks [seq_len] -> batch with every token labelled, or with
+    ``continuation > 0``: the last ``continuation`` tokens labelled and the rest marked as the
+    prompt (``prompt_mask``), as a prompt + continuation split at inference."""
     ids = torch.stack(list(rows))
-    return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}
+    if continuation:
+        prompt = torch.zeros_like(ids, dtype=torch.bool)
+        prompt[:, : ids.shape[1] - continuation] = True
+        # the token right after the prompt is predicted from it, so it is labelled too
+        batch["labels"] = ids.masked_fill(prompt, -100)
+        batch["prompt_mask"] = prompt
+    return batch
 
 
 # --------------------------------------------------------------------------- modules
@@ -283,12 +292,13 @@ class KVGateDataModule(L.LightningDataModule):
 
 
 class CPTDataModule(KVGateDataModule):
-    """Continual pre-training on packed fixed-length sequences; loss on every token."""
+    """Continual pre-training on packed fixed-length sequences; loss on every token, or on
+    a continuation after a prompt."""
 
     def __init__(self, source: CorpusSource = "embedded", files: list[str] | None = None,
                  max_docs: int | None = None, seq_len: int = 256, val_fraction: float = 0.02,
                  batch_size: int = 4, val_batch_size: int | None = None, seed: int = 0,
-                 num_workers: int = 0) -> None:
+                 num_workers: int = 0, continuation: int = 0) -> None:
         """
         Args:
             source: ``embedded`` (the corpus shipped with kvgate), ``files`` (local .txt /
@@ -297,6 +307,10 @@ class CPTDataModule(KVGateDataModule):
             max_docs: use at most this many documents (None = all).
             seq_len: tokens per packed training sequence.
             val_fraction: share of the documents held out for validation (0 = none).
+            continuation: 0 = loss on every token. Otherwise each block is a prompt (the first
+                ``seq_len - continuation`` tokens, ``prompt_mask``) and a scored continuation,
+                the way perplexity under eviction is measured: a ``prompt_bidirectional`` gate
+                then sees the whole prompt, knows where it ends, and flags prompt tokens only.
         """
         super().__init__(batch_size, val_batch_size, seed, num_workers)
         if source not in ("embedded", "files", "redpajama"):
@@ -308,6 +322,10 @@ class CPTDataModule(KVGateDataModule):
             raise TrainingConfigError(f"data.seq_len: must be >= 2 (got {seq_len!r})")
         if not 0.0 <= val_fraction < 1.0:
             raise TrainingConfigError(f"data.val_fraction: must lie in [0, 1) (got {val_fraction!r})")
+        if not isinstance(continuation, int) or not 0 <= continuation <= seq_len - 2:
+            raise TrainingConfigError(
+                f"data.continuation: must be an integer in [0, seq_len - 2 = {seq_len - 2}] so "
+                f"the prompt keeps at least 2 tokens (got {continuation!r})")
         if max_docs is not None and max_docs < 1:
             raise TrainingConfigError(f"data.max_docs: must be >= 1 or null (got {max_docs!r})")
         self.source = source
@@ -315,6 +333,7 @@ class CPTDataModule(KVGateDataModule):
         self.max_docs = max_docs
         self.seq_len = seq_len
         self.val_fraction = val_fraction
+        self.continuation = continuation
         self._splits: tuple[Tensor, Tensor] | None = None
 
     def load_documents(self) -> list[str]:
@@ -358,7 +377,7 @@ class CPTDataModule(KVGateDataModule):
         return TensorRows(list(val)) if len(val) else None
 
     def collate_train(self, pad_id: int) -> Callable:
-        return collate_blocks
+        return partial(collate_blocks, continuation=self.continuation)
 
 
 class SFTDataModule(KVGateDataModule):

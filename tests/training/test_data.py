@@ -80,6 +80,21 @@ def test_cpt_split_keeps_documents_apart(tok):
     assert batch["attention_mask"].all()
 
 
+def test_cpt_continuation_splits_each_block_into_prompt_and_scored_tail(tok):
+    dm = SyntheticCPT(n_docs=30, seq_len=16, val_fraction=0.2, batch_size=2, continuation=5)
+    dm.tokenizer = tok
+    batch = next(iter(dm.train_dataloader()))
+    prompt = batch["prompt_mask"]
+    assert prompt.shape == (2, 16) and prompt[:, :11].all() and not prompt[:, 11:].any()
+    # the loss sees exactly the last 5 tokens: the first of them predicted from the prompt's end
+    assert (batch["labels"][:, :11] == -100).all()
+    assert torch.equal(batch["labels"][:, 11:], batch["input_ids"][:, 11:])
+    val = next(iter(dm.val_dataloader()))
+    assert torch.equal(val["prompt_mask"][0], prompt[0])
+    with pytest.raises(TrainingConfigError, match="data.continuation"):
+        CPTDataModule(seq_len=16, continuation=15)
+
+
 def test_sft_module_builds_train_and_option_batches(tok):
     dm = SyntheticSFT(n_train=8, n_val=4, batch_size=4, max_len=64)
     dm.tokenizer = tok

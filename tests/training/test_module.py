@@ -255,3 +255,28 @@ def test_recipe_warm_start_then_distillation_with_annealed_beta(base_dir, tmp_pa
     assert betas[6] == pytest.approx(0.3)
     with pytest.raises(RecipeError, match="warmstart_policy"):
         RecipeSettings(warmstart_steps=1, warmstart_policy="attention_gate")
+
+
+def test_prompt_continuation_cpt_gates_only_the_prompt_and_scores_only_the_continuation(base_dir):
+    """CPT with ``continuation``: a prompt_bidirectional gate flags the prompt (the continuation
+    is never evicted or counted), and the loss ignores every prompt position."""
+    module = built(base_dir, train="gates",
+                   gate=GateConfig(gamma=0.0, beta=0.3, mode="prompt_bidirectional"))
+    data = SyntheticCPT(n_docs=40, seq_len=24, batch_size=2, val_fraction=0.0, continuation=8)
+    data.tokenizer = module.tokenizer
+    batch = next(iter(data.train_dataloader()))
+    module(batch["input_ids"], batch["attention_mask"], batch["prompt_mask"])
+    from kvgate.gate.loss import gate_records
+
+    records = gate_records(module.model)
+    assert records
+    for _, rec in records:
+        assert torch.equal(rec.counted, batch["prompt_mask"])
+        assert (rec.gate[..., 16:] == 1).all()  # continuation tokens are always kept
+    assert any((rec.gate[..., :16] == 0).any() for _, rec in records)  # the prompt is gated
+    # changing a prompt token's label cannot change the loss; changing a continuation one does
+    logits = torch.randn(2, 24, module.model.config.vocab_size)
+    loss, _ = causal_lm_loss(logits, batch["labels"])
+    altered = batch["labels"].clone()
+    altered[:, 20] = (altered[:, 20] + 1) % logits.shape[-1]
+    assert not torch.isclose(causal_lm_loss(logits, altered)[0], loss)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -108,12 +109,19 @@ def test_every_shipped_config_parses_and_builds(path, no_model_load):
 
 @pytest.mark.parametrize("path", ABLATIONS, ids=[p.stem for p in ABLATIONS])
 def test_ablation_variants_layer_on_the_recipe(path, no_model_load):
-    """Each ablation file changes only its switches and moves every output to its own folder."""
+    """Each ablation file changes only its switches (over the layers its header's command puts
+    under it) and moves every output to its own folder."""
+    header = " ".join(line.lstrip("#").strip().rstrip("\\") for line in
+                      path.read_text().splitlines() if line.startswith("#"))
+    layers = re.findall(r"--config (\S+)", header.split("python train.py", 1)[1].split(" #")[0])
+    assert layers[0] == "cpt_recipe" and layers[-1] == f"configs/ablation/{path.name}", layers
+
     def build(*extra):
         return train.KVGateCLI(KVGateModule, train.KVGateDataModule, subclass_mode_data=True,
                                run=False, args=train.resolve_config_args(
-                                   ["--config", "cpt_recipe", *extra]), save_config_callback=None)
-    recipe, variant = build(), build("--config", str(path))
+                                   [arg for layer in extra for arg in ("--config", layer)]),
+                               save_config_callback=None)
+    recipe, variant = build(*layers[:-1]), build(*layers)
     out = f"runs/abl_{path.stem}"
     assert variant.trainer.default_root_dir == out
     dirs = [str(getattr(c, "dirpath", "")) for c in variant.trainer.callbacks]
