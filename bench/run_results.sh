@@ -54,9 +54,11 @@ case "${1:-all}" in
     for v in lm_alpha20 distill distill_protected distill_protected_long; do
       python train.py --config cpt_recipe --config configs/ablation/$v.yaml
     done
-    # the 1,024-token variant with a 128-token recent band (train and inference)
-    python train.py --config cpt_recipe --config configs/ablation/distill_protected_long.yaml \
-      --config configs/ablation/recent128_long.yaml ;;
+    # the 1,024-token variant with a 128-token recent band, then with a prompt/continuation split
+    for v in recent128_long prompt_split_long; do
+      python train.py --config cpt_recipe --config configs/ablation/distill_protected_long.yaml \
+        --config configs/ablation/$v.yaml
+    done ;;
   pplctx) # perplexity at a fixed context: every gate, then the heuristics at each gate's eviction
     ctx=$2; cont=$3; windows=$4; out=$5; shift 5
     gates=("$@")   # gated checkpoint folders, e.g. runs/cpt_recipe/gated runs/abl_distill/gated

@@ -160,14 +160,13 @@ def collate_blocks(rows: Sequence[Tensor], continuation: int = 0) -> dict[str, T
     ``continuation > 0``: the last ``continuation`` tokens labelled and the rest marked as the
     prompt (``prompt_mask``), as a prompt + continuation split at inference."""
     ids = torch.stack(list(rows))
-    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}
-    if continuation:
-        prompt = torch.zeros_like(ids, dtype=torch.bool)
-        prompt[:, : ids.shape[1] - continuation] = True
-        # the token right after the prompt is predicted from it, so it is labelled too
-        batch["labels"] = ids.masked_fill(prompt, -100)
-        batch["prompt_mask"] = prompt
-    return batch
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+    if not continuation:
+        return batch | {"labels": ids.clone()}
+    prompt = torch.zeros_like(ids, dtype=torch.bool)
+    prompt[:, : ids.shape[1] - continuation] = True
+    # the token right after the prompt is predicted from it, so it is labelled too
+    return batch | {"labels": ids.masked_fill(prompt, -100), "prompt_mask": prompt}
 
 
 # --------------------------------------------------------------------------- modules

@@ -274,9 +274,12 @@ def test_prompt_continuation_cpt_gates_only_the_prompt_and_scores_only_the_conti
         assert torch.equal(rec.counted, batch["prompt_mask"])
         assert (rec.gate[..., 16:] == 1).all()  # continuation tokens are always kept
     assert any((rec.gate[..., :16] == 0).any() for _, rec in records)  # the prompt is gated
-    # changing a prompt token's label cannot change the loss; changing a continuation one does
+    # position t predicts token t+1: the logits of prompt positions 0..14 never reach the loss,
+    # position 15 (the prompt's last token) predicts the first continuation token and does
     logits = torch.randn(2, 24, module.model.config.vocab_size)
     loss, _ = causal_lm_loss(logits, batch["labels"])
-    altered = batch["labels"].clone()
-    altered[:, 20] = (altered[:, 20] + 1) % logits.shape[-1]
-    assert not torch.isclose(causal_lm_loss(logits, altered)[0], loss)
+    prompt_changed, last_changed = logits.clone(), logits.clone()
+    prompt_changed[:, :15] += torch.randn_like(prompt_changed[:, :15])
+    last_changed[:, 15] += torch.randn_like(last_changed[:, 15])
+    assert torch.equal(causal_lm_loss(prompt_changed, batch["labels"])[0], loss)
+    assert not torch.isclose(causal_lm_loss(last_changed, batch["labels"])[0], loss)
