@@ -226,6 +226,53 @@ def _load_base_for(meta: dict[str, Any], root: Path, base: Any, dtype: Any) -> t
     return base, None
 
 
+def check_base(meta: dict[str, Any], root: Path, model: nn.Module) -> None:
+    """``CheckpointError`` unless ``model`` has the architecture the checkpoint was trained on."""
+    from kvgate.models import model_fingerprint
+
+    found = model_fingerprint(_unwrap(model).config)
+    want = meta["base"].get("fingerprint")
+    if found != want:
+        raise CheckpointError(
+            f"{root}: base model mismatch: the checkpoint was trained on "
+            f"{meta['base'].get('id')!r} (fingerprint {want}), the given base has fingerprint "
+            f"{found}")
+
+
+def load_gate_weights(model: nn.Module, path: str | os.PathLike) -> None:
+    """Copy ``gates.safetensors`` of the checkpoint at ``path`` into ``model``'s patched gates.
+
+    Raises ``CheckpointError`` when the file is missing or corrupt, or its tensors do not fit
+    the model's gates (another gate size, or another number of layers).
+    """
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    from kvgate.gate import gate_modules
+
+    file = Path(path) / GATES_NAME
+    if not file.is_file():
+        raise CheckpointError(f"{file}: missing (the config says the model is gated)")
+    try:
+        tensors = load_file(str(file))
+    except (SafetensorError, OSError) as err:
+        raise CheckpointError(f"{file}: corrupt or truncated ({err})") from None
+    gates = gate_modules(model)
+    if not gates:
+        raise CheckpointError(f"{file}: the model has no gates to load it into")
+    for i, gate in enumerate(gates):
+        prefix = f"{i}."
+        part = {k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)}
+        try:
+            gate.load_state_dict(part, strict=True)
+        except RuntimeError as err:
+            raise CheckpointError(f"{file}: does not fit layer {i}'s gate "
+                                  f"({str(err).splitlines()[0]})") from None
+    extra = len(tensors) - sum(len(g.state_dict()) for g in gates)
+    if extra:
+        raise CheckpointError(f"{file}: {extra} tensor(s) for layers the base does not have")
+
+
 def load_gated(path: str | os.PathLike, base: Any = None, dtype: torch.dtype | str = torch.float32,
                device: str | torch.device = "cpu", merge_lora: bool = True,
                verify: bool = True) -> tuple[nn.Module, Any, dict[str, Any]]:
@@ -240,21 +287,13 @@ def load_gated(path: str | os.PathLike, base: Any = None, dtype: torch.dtype | s
     format version. The model is returned in eval mode with every parameter frozen.
     """
     from safetensors import SafetensorError
-    from safetensors.torch import load_file
 
-    from kvgate.gate import GateConfig, gate_modules, patch
-    from kvgate.models import model_fingerprint
+    from kvgate.gate import GateConfig, patch
 
     root = Path(path)
     meta = read_meta(root, verify=verify)
     model, tokenizer = _load_base_for(meta, root, base, dtype)
-    found = model_fingerprint(_unwrap(model).config)
-    want = meta["base"].get("fingerprint")
-    if found != want:
-        raise CheckpointError(
-            f"{root}: base model mismatch: the checkpoint was trained on "
-            f"{meta['base'].get('id')!r} (fingerprint {want}), the given base has fingerprint "
-            f"{found}")
+    check_base(meta, root, model)
     if meta.get("lora"):
         from peft import PeftModel
 
@@ -273,24 +312,7 @@ def load_gated(path: str | os.PathLike, base: Any = None, dtype: torch.dtype | s
         except (TypeError, ValueError) as err:
             raise CheckpointError(f"{root / CONFIG_NAME}: bad gate config ({err})") from None
         patch(model, config)
-        file = root / GATES_NAME
-        if not file.is_file():
-            raise CheckpointError(f"{file}: missing (the config says the model is gated)")
-        try:
-            tensors = load_file(str(file))
-        except (SafetensorError, OSError) as err:
-            raise CheckpointError(f"{file}: corrupt or truncated ({err})") from None
-        for i, gate in enumerate(gate_modules(model)):
-            prefix = f"{i}."
-            part = {k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)}
-            try:
-                gate.load_state_dict(part, strict=True)
-            except RuntimeError as err:
-                raise CheckpointError(f"{file}: does not fit layer {i}'s gate "
-                                      f"({str(err).splitlines()[0]})") from None
-        extra = len(tensors) - sum(len(g.state_dict()) for g in gate_modules(model))
-        if extra:
-            raise CheckpointError(f"{file}: {extra} tensor(s) for layers the base does not have")
+        load_gate_weights(model, root)
     tok_dir = root / TOKENIZER_DIR
     if tok_dir.is_dir():
         from transformers import AutoTokenizer

@@ -119,6 +119,64 @@ def _as(cls, value):
     return replace(value)
 
 
+def _check_init_from(path: str, train: str) -> None:
+    """Fail at config time, before the base loads, on a checkpoint that cannot start this run."""
+    from kvgate.checkpoint import CheckpointError, read_meta
+
+    try:
+        meta = read_meta(path, verify=False)
+    except CheckpointError as err:
+        raise TrainingConfigError(f"KVGateModule.init_from: {err}") from None
+    if meta.get("merged"):
+        raise TrainingConfigError(
+            f"KVGateModule.init_from: {path} holds a merged base (exported with merge); start "
+            "from an unmerged export, whose adapter and gates are separate")
+    if train != "lora" and meta.get("gate") is None:
+        raise TrainingConfigError(f"KVGateModule.init_from: {path} has no gates to start from")
+    if train == "gates" and meta.get("lora"):
+        raise TrainingConfigError(
+            f"KVGateModule.init_from: {path} has a LoRA adapter, which train='gates' would drop; "
+            "train 'gates_lora' to keep it")
+
+
+def _load_init(model: nn.Module, path: str, with_lora: bool) -> None:
+    """Copy an exported checkpoint's gates (and adapter, if trained here) into ``model``."""
+    from kvgate.checkpoint import ADAPTER_DIR, CheckpointError, check_base, load_gate_weights, read_meta
+
+    try:
+        meta = read_meta(path)  # sizes and sha256 checked: a corrupt file fails here
+        check_base(meta, path, model)
+        if meta.get("gate") is not None and gate_modules(model):
+            load_gate_weights(model, path)
+        if with_lora and meta.get("lora"):
+            _load_adapter(model, f"{path}/{ADAPTER_DIR}")
+    except CheckpointError as err:
+        raise TrainingConfigError(f"KVGateModule.init_from: {err}") from None
+
+
+def _load_adapter(model: nn.Module, folder: str) -> None:
+    from peft import set_peft_model_state_dict
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    from kvgate.checkpoint import CheckpointError
+
+    try:
+        weights = load_file(f"{folder}/adapter_model.safetensors")
+    except (OSError, SafetensorError) as err:
+        raise CheckpointError(f"{folder}: adapter cannot be read ({err})") from None
+    try:
+        result = set_peft_model_state_dict(model, weights)
+    except RuntimeError as err:  # a shape mismatch: another rank or other target modules
+        raise CheckpointError(f"{folder}: adapter does not fit this run's LoRA "
+                              f"({str(err).splitlines()[0]})") from None
+    missing = [k for k in result.missing_keys if "lora_" in k]
+    if missing or result.unexpected_keys:
+        raise CheckpointError(f"{folder}: adapter does not fit this run's LoRA (targets or "
+                              f"layers differ: {len(missing)} missing, "
+                              f"{len(result.unexpected_keys)} unexpected tensors)")
+
+
 class KVGateModule(L.LightningModule):
     """Frozen base + trainable gates and/or LoRA; see the module docstring for the regimes."""
 
@@ -134,6 +192,7 @@ class KVGateModule(L.LightningModule):
         quantize: Quantize = "none",
         gradient_checkpointing: bool = False,
         image_every_n_steps: int = 100,
+        init_from: str | None = None,
     ) -> None:
         """
         Args:
@@ -148,6 +207,10 @@ class KVGateModule(L.LightningModule):
             quantize: load the base 4-bit or 8-bit through bitsandbytes (CUDA only).
             gradient_checkpointing: recompute decoder layers in the backward pass.
             image_every_n_steps: log eviction-pattern images every N steps (0 = never).
+            init_from: an exported gated checkpoint whose gate weights (and LoRA adapter,
+                when this run trains LoRA) start this run: more CPT on a gate, or SFT from a
+                CPT gate. Its base must be this run's base; the gate settings that do not shape
+                weights (tau, mode, sinks, recent, ...) come from this run's ``gate``.
         """
         super().__init__()
         if train not in ("gates", "gates_lora", "lora"):
@@ -160,6 +223,8 @@ class KVGateModule(L.LightningModule):
             raise TrainingConfigError(
                 f"KVGateModule.image_every_n_steps: must be >= 0 (got {image_every_n_steps!r})")
         _check_quantize(quantize)
+        if init_from is not None:
+            _check_init_from(init_from, train)
         self.base_model = base_model
         self.train_mode = train
         self.gate_cfg = _as(GateConfig, gate)
@@ -170,13 +235,14 @@ class KVGateModule(L.LightningModule):
         self.quantize = quantize
         self.gradient_checkpointing = gradient_checkpointing
         self.image_every_n_steps = image_every_n_steps
+        self.init_from = None if init_from is None else str(init_from)
         # plain values only, so the checkpoint loads with torch.load(weights_only=True)
         self.save_hyperparameters({
             "base_model": base_model, "train": train, "gate": self.gate_cfg.to_dict(),
             "lora": asdict(self.lora_cfg), "optim": asdict(self.optim_cfg),
             "recipe": asdict(self.recipe_cfg), "dtype": dtype,
             "quantize": quantize, "gradient_checkpointing": gradient_checkpointing,
-            "image_every_n_steps": image_every_n_steps,
+            "image_every_n_steps": image_every_n_steps, "init_from": self.init_from,
         })
         # the frozen base is not in the Lightning checkpoint, so loading is never strict
         self.strict_loading = False
@@ -231,6 +297,8 @@ class KVGateModule(L.LightningModule):
             # gates of ungated layers never run: frozen, so DDP sees no unused parameters
             for gate in gate_modules(model)[: self.gate_cfg.ungated_layers]:
                 gate.requires_grad_(False)
+        if self.init_from is not None:
+            _load_init(model, self.init_from, self.uses_lora)
         # load_base returns eval mode; gradient checkpointing and LoRA dropout need train mode
         model.train()
         self.model = model
