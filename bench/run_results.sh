@@ -58,7 +58,12 @@ case "${1:-all}" in
     for v in recent128_long prompt_split_long; do
       python train.py --config cpt_recipe --config configs/ablation/distill_protected_long.yaml \
         --config configs/ablation/$v.yaml
-    done ;;
+    done
+    # 100 more steps on the recent-band gate, from its export (model.init_from)
+    python train.py --config cpt_recipe --config configs/ablation/distill_protected_long.yaml \
+      --config configs/ablation/recent128_long.yaml --config configs/ablation/recent128_more.yaml
+    # a 64-key band on 256-token blocks
+    python train.py --config cpt_recipe --config configs/ablation/recent64_256.yaml ;;
   pplctx) # perplexity at a fixed context: every gate, then the heuristics at each gate's eviction
     ctx=$2; cont=$3; windows=$4; out=$5; shift 5
     gates=("$@")   # gated checkpoint folders, e.g. runs/cpt_recipe/gated runs/abl_distill/gated

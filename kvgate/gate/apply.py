@@ -44,9 +44,10 @@ def gate_attend_mask(valid: Tensor, prompt: Tensor | None, mode: str) -> Tensor 
 
 
 def compute_gate(module: nn.Module, hidden: Tensor, position_embeddings, valid: Tensor,
-                 prompt: Tensor | None = None) -> GateRecord:
+                 prompt: Tensor | None = None, tau: float | None = None) -> GateRecord:
     """Straight-through keep flags of one layer: [B, H_gate, n], with sinks, padding and
-    (in prompt_bidirectional mode) non-prompt tokens forced to 1."""
+    (in prompt_bidirectional mode) non-prompt tokens forced to 1. ``tau`` overrides the
+    gate's keep threshold."""
     gate_mod = module.kv_gate
     cfg = gate_mod.config
     b, n = valid.shape
@@ -61,7 +62,7 @@ def compute_gate(module: nn.Module, hidden: Tensor, position_embeddings, valid: 
         gate = torch.ones(b, gate_mod.out_heads, n, device=hidden.device)
         return GateRecord(gate, counted)
     attend = gate_attend_mask(valid, prompt, cfg.mode)
-    gate = gate_mod(hidden, position_embeddings, attend)
+    gate = gate_mod(hidden, position_embeddings, attend, tau=tau)
     forced = ~counted
     if cfg.sinks:
         # the first `sinks` real tokens of each sequence (left padding shifts them)

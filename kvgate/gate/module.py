@@ -83,9 +83,12 @@ class AttentionGate(nn.Module):
         a = a.transpose(1, 2).reshape(b, n, self.heads * self.head_dim)
         return self.o_proj(a).float().transpose(1, 2)
 
-    def forward(self, hidden: Tensor, position_embeddings=None, attend: Tensor | None = None) -> Tensor:
+    def forward(self, hidden: Tensor, position_embeddings=None, attend: Tensor | None = None,
+                tau: float | None = None) -> Tensor:
+        """``tau`` overrides the config's keep threshold (inference only: a trained gate's
+        eviction dialled without retraining)."""
         s = self.scores(hidden, position_embeddings, attend)
-        return straight_through(s, self.config.gamma, self.config.tau)
+        return straight_through(s, self.config.gamma, self.config.tau if tau is None else tau)
 
     def extra_repr(self) -> str:
         return (f"heads={self.heads}, head_dim={self.head_dim}, out_heads={self.out_heads}, "

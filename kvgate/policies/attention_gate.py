@@ -9,6 +9,10 @@ is compacted to the kept entries. Decode tokens are not gated.
 of the prompt) stay in the cache whatever the gate says, as every heuristic keeps its
 observation / recent window. A causal gate flags each token when it is written and cannot know
 which tokens will end the prompt; the tail supplies that. Tail tokens count as kept in %Evict.
+
+``tau`` (inference option, default: the trained gate's): the keep threshold on
+``sigmoid(score + gamma)``. A higher one evicts more, so one trained gate can be run at several
+eviction ratios, the way a heuristic takes a budget; the gate never trained at that threshold.
 """
 
 from __future__ import annotations
@@ -37,9 +41,12 @@ class AttentionGatePolicy(Policy):
     decode_eviction = False
     encode_recent = 0  # set from the gate's config by keep(): recent band inside the prefill
     tail: float | int = 0
+    tau: float | None = None
 
     def __post_init__(self) -> None:
         check_share(self.name, "tail", self.tail)
+        if self.tau is not None and (isinstance(self.tau, bool) or not 0.0 < self.tau < 1.0):
+            raise PolicyError(f"policy attention_gate: tau must lie in (0, 1), got {self.tau!r}")
 
     def keep(self, prompt: LayerPrompt, budget: Budget | None = None) -> Tensor:
         """[B, H_kv, n] bool from the layer's gate (per-query-head gates: union over the
@@ -55,7 +62,7 @@ class AttentionGatePolicy(Policy):
             raise PolicyError("policy attention_gate needs the layer's hidden states")
         # at prefill the whole prompt is known: a prompt_bidirectional gate sees all of it
         record = compute_gate(module, prompt.hidden, context(module).get("position_embeddings"),
-                              prompt.valid, prompt=prompt.valid)
+                              prompt.valid, prompt=prompt.valid, tau=self.tau)
         flags = record.gate.detach() > 0.5  # [B, H_gate, n]
         hk = prompt.key.shape[1]
         if flags.shape[1] != hk:

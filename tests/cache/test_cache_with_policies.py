@@ -115,3 +115,39 @@ def test_attention_gate_tail_is_checked(bad):
 
     with pytest.raises(PolicyError, match="tail"):
         get_policy("attention_gate", tail=bad)
+
+
+def test_attention_gate_tau_dials_eviction_and_equals_a_gate_trained_at_it(model):
+    """An inference tau evicts monotonically more as it rises, and the cache it leaves is the
+    one a gate configured with that tau leaves (same weights)."""
+    from kvgate.gate import GateConfig, patch, unpatch
+    from kvgate.models import dispatch
+
+    ids = torch.randint(1, 128, (2, 20), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+
+    def kept(config_tau, policy_tau):
+        torch.manual_seed(0)  # the same random gate weights every time
+        patch(model, GateConfig(gamma=0.0, tau=config_tau))
+        try:
+            dispatch.install(model)
+            cache = CompressedCache(model, get_policy("attention_gate", tau=policy_tau),
+                                    Budget(ratio=1.0))
+            with torch.no_grad():
+                model(ids, attention_mask=mask, past_key_values=cache)
+            return [cache.kept_counts(layer) for layer in range(model.config.num_hidden_layers)]
+        finally:
+            unpatch(model)
+
+    fractions = [sum(int(c.sum()) for c in kept(0.5, tau)) for tau in (0.2, 0.5, 0.8)]
+    assert fractions[0] > fractions[1] > fractions[2]
+    for a, b in zip(kept(0.5, 0.7), kept(0.7, None)):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("bad", [0, 1, 1.5, True])
+def test_attention_gate_tau_is_checked(bad):
+    from kvgate.policies.base import PolicyError
+
+    with pytest.raises(PolicyError, match="tau"):
+        get_policy("attention_gate", tau=bad)
