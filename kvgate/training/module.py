@@ -133,6 +133,9 @@ def _check_init_from(path: str, train: str) -> None:
             "from an unmerged export, whose adapter and gates are separate")
     if train != "lora" and meta.get("gate") is None:
         raise TrainingConfigError(f"KVGateModule.init_from: {path} has no gates to start from")
+    if train == "lora" and not meta.get("lora"):
+        raise TrainingConfigError(
+            f"KVGateModule.init_from: {path} has no LoRA adapter for a train='lora' run to start from")
     if train == "gates" and meta.get("lora"):
         raise TrainingConfigError(
             f"KVGateModule.init_from: {path} has a LoRA adapter, which train='gates' would drop; "

@@ -88,6 +88,7 @@ def test_a_short_run_goes_on_from_the_exported_gates(base_dir, tmp_path):
 @pytest.mark.parametrize("train, export_train, match", [
     ("gates", "gates_lora", "train='gates' would drop"),
     ("gates", "lora", "no gates to start from"),
+    ("lora", "gates", "no LoRA adapter"),
 ])
 def test_config_time_errors_before_the_base_loads(base_dir, tmp_path, train, export_train, match):
     exported(base_dir, tmp_path / "ck", train=export_train)
