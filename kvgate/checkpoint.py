@@ -226,7 +226,7 @@ def _load_base_for(meta: dict[str, Any], root: Path, base: Any, dtype: Any) -> t
     return base, None
 
 
-def check_base(meta: dict[str, Any], root: Path, model: nn.Module) -> None:
+def check_base(meta: dict[str, Any], root: str | os.PathLike, model: nn.Module) -> None:
     """``CheckpointError`` unless ``model`` has the architecture the checkpoint was trained on."""
     from kvgate.models import model_fingerprint
 

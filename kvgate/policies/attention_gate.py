@@ -29,6 +29,7 @@ from kvgate.policies.base import (
     PolicyError,
     check_share,
     last_real,
+    option_error,
     resolve_share,
 )
 
@@ -45,8 +46,9 @@ class AttentionGatePolicy(Policy):
 
     def __post_init__(self) -> None:
         check_share(self.name, "tail", self.tail)
-        if self.tau is not None and (isinstance(self.tau, bool) or not 0.0 < self.tau < 1.0):
-            raise PolicyError(f"policy attention_gate: tau must lie in (0, 1), got {self.tau!r}")
+        if self.tau is not None and (isinstance(self.tau, bool) or not isinstance(self.tau, (int, float))
+                                     or not 0.0 < self.tau < 1.0):
+            raise option_error(self.name, "tau", "must be a number in (0, 1)", self.tau)
 
     def keep(self, prompt: LayerPrompt, budget: Budget | None = None) -> Tensor:
         """[B, H_kv, n] bool from the layer's gate (per-query-head gates: union over the

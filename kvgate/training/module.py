@@ -144,7 +144,13 @@ def _check_init_from(path: str, train: str) -> None:
 
 def _load_init(model: nn.Module, path: str, with_lora: bool) -> None:
     """Copy an exported checkpoint's gates (and adapter, if trained here) into ``model``."""
-    from kvgate.checkpoint import ADAPTER_DIR, CheckpointError, check_base, load_gate_weights, read_meta
+    from kvgate.checkpoint import (
+        ADAPTER_DIR,
+        CheckpointError,
+        check_base,
+        load_gate_weights,
+        read_meta,
+    )
 
     try:
         meta = read_meta(path)  # sizes and sha256 checked: a corrupt file fails here

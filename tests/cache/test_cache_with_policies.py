@@ -145,7 +145,7 @@ def test_attention_gate_tau_dials_eviction_and_equals_a_gate_trained_at_it(model
         assert torch.equal(a, b)
 
 
-@pytest.mark.parametrize("bad", [0, 1, 1.5, True])
+@pytest.mark.parametrize("bad", [0, 1, 1.5, True, "high"])
 def test_attention_gate_tau_is_checked(bad):
     from kvgate.policies.base import PolicyError
 
