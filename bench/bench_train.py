@@ -2,6 +2,8 @@
 
     python bench/bench_train.py [--steps 4] [--seq-len 512] [--batch 1] [--base smollm2-135m]
     python bench/bench_train.py --pair materialised --seq-len 256 --batch 4
+    python bench/bench_train.py --pair materialised --device cuda --dtype bfloat16 \
+        --base DIR --files docs.jsonl     # a GPU with no embedded corpus (see bench/gpu_checks.sh)
 
 ``--pair lora`` (default, issue #4): gates + LoRA vs LoRA only; prints the slowdown
 LoRA-only / gates+LoRA (target <= 1.35).
@@ -13,6 +15,7 @@ the speed-up (target >= 2x).
 Each timed step is forward + loss + backward + AdamW step of ``KVGateModule.training_step``.
 The regimes alternate step by step (A, B, A, B, ...) on the same batches, so drifting load
 from other processes on the machine hits both alike. One untimed warm-up step each.
+On CUDA each step is timed between device synchronisations.
 """
 
 from __future__ import annotations
@@ -52,21 +55,31 @@ def attention_impl(name: str):
         gate_apply.gated_attention = saved
 
 
-def build(base: str, train: str) -> tuple[KVGateModule, torch.optim.Optimizer]:
+def build(base: str, train: str, dtype: str = "float32",
+          device: str = "cpu") -> tuple[KVGateModule, torch.optim.Optimizer]:
     torch.manual_seed(0)
-    module = KVGateModule(base_model=base, train=train, image_every_n_steps=0,
+    module = KVGateModule(base_model=base, train=train, image_every_n_steps=0, dtype=dtype,
                           lora={"rank": 8, "alpha": 16.0, "dropout": 0.0})
     module.configure_model()
+    module.to(device)
     params = [p for _, p in module.trainable_named_parameters()]
     return module, torch.optim.AdamW(params, lr=1e-4)
 
 
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def step(module: KVGateModule, opt: torch.optim.Optimizer, batch: dict) -> float:
+    device = batch["input_ids"].device
+    _sync(device)
     start = time.perf_counter()
     loss = _loss(module, batch)
     loss.backward()
     opt.step()
     opt.zero_grad(set_to_none=True)
+    _sync(device)
     return time.perf_counter() - start
 
 
@@ -89,46 +102,81 @@ def main() -> int:
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--pair", choices=["lora", "materialised"], default="lora",
                         help="what the gated run is compared with")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                        help="frozen base weights (gates and LoRA train in fp32)")
+    parser.add_argument("--files", nargs="*", default=None,
+                        help="local .txt/.jsonl documents instead of the embedded corpus")
     args = parser.parse_args()
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        raise SystemExit(f"--device {args.device}: no CUDA device here")
+
+    def make(train: str):
+        return build(args.base, train, args.dtype, args.device)
 
     if args.pair == "lora":
-        regimes = {"gates_lora": build(args.base, "gates_lora"), "lora": build(args.base, "lora")}
+        regimes = {"gates_lora": make("gates_lora"), "lora": make("lora")}
         impl = {"gates_lora": "kvgate", "lora": "kvgate"}
     else:
-        module, opt = build(args.base, "gates")
+        module, opt = make("gates")
         # one module, two attention routes: identical weights, so only the kernel differs
         regimes = {"kvgate": (module, opt), "materialised": (module, opt)}
         impl = {"kvgate": "kvgate", "materialised": "materialised"}
-    data = CPTDataModule(source="embedded", max_docs=200, seq_len=args.seq_len,
-                         batch_size=args.batch, val_fraction=0.0)
+    data = CPTDataModule(source="files" if args.files else "embedded", files=args.files,
+                         max_docs=200, seq_len=args.seq_len, batch_size=args.batch,
+                         val_fraction=0.0)
     data.tokenizer = next(iter(regimes.values()))[0].tokenizer
     blocks = data.train_dataset()
     n_batches = args.steps + 1
     if len(blocks) < n_batches * args.batch:
         raise SystemExit(f"corpus too small for {n_batches} batches of {args.batch}x{args.seq_len}")
-    batches = [collate_blocks([blocks[i * args.batch + j] for j in range(args.batch)])
+    batches = [{k: v.to(args.device) for k, v in
+                collate_blocks([blocks[i * args.batch + j] for j in range(args.batch)]).items()}
                for i in range(n_batches)]
     for module, _ in regimes.values():
         module.train()
+    cuda = args.device.startswith("cuda")
     seconds = {name: 0.0 for name in regimes}
+    peak = {name: 0 for name in regimes}
+    failed: dict[str, str] = {}
     for i, batch in enumerate(batches):
         for name, (module, opt) in regimes.items():
-            with attention_impl(impl[name]):
-                took = step(module, opt, batch)
+            if name in failed:
+                continue
+            if cuda:
+                torch.cuda.reset_peak_memory_stats(args.device)
+            try:
+                with attention_impl(impl[name]):
+                    took = step(module, opt, batch)
+            except torch.OutOfMemoryError:  # a result too: that regime does not fit
+                opt.zero_grad(set_to_none=True)
+                failed[name] = "out of memory"
+                torch.cuda.empty_cache()
+                continue
+            if cuda:
+                peak[name] = max(peak[name], torch.cuda.max_memory_allocated(args.device))
             if i > 0:  # step 0 warms up allocators and kernels
                 seconds[name] += took
     tokens = args.steps * args.batch * args.seq_len
-    tps = {name: tokens / s for name, s in seconds.items()}
+    tps = {name: tokens / s for name, s in seconds.items() if name not in failed}
+    where = (torch.cuda.get_device_name(args.device) if cuda
+             else f"cpu threads={torch.get_num_threads()}")
     print(f"base={args.base} seq_len={args.seq_len} batch={args.batch} timed_steps={args.steps} "
-          f"threads={torch.get_num_threads()}")
-    for name, value in tps.items():
-        print(f"  {name:<11} {value:8.1f} tokens/s  ({seconds[name] / args.steps:.2f} s/step)")
-    if args.pair == "lora":
-        ratio = tps["lora"] / tps["gates_lora"]
-        print(f"slowdown gates+LoRA vs LoRA-only: {ratio:.3f}x (target <= 1.35x)")
+          f"dtype={args.dtype} device={where}")
+    for name in regimes:
+        if name in failed:
+            print(f"  {name:<11} {failed[name]}")
+            continue
+        mem = f", peak {peak[name] / 2**30:.2f} GiB" if cuda else ""
+        print(f"  {name:<11} {tps[name]:8.1f} tokens/s  ({seconds[name] / args.steps:.2f} s/step{mem})")
+    a, b = ("lora", "gates_lora") if args.pair == "lora" else ("kvgate", "materialised")
+    if failed:
+        print(f"no ratio: {', '.join(failed)} failed")
+    elif args.pair == "lora":
+        print(f"slowdown gates+LoRA vs LoRA-only: {tps[a] / tps[b]:.3f}x (target <= 1.35x)")
     else:
-        ratio = tps["kvgate"] / tps["materialised"]
-        print(f"speed-up kvgate vs materialised gated attention: {ratio:.3f}x (target >= 2x)")
+        print(f"speed-up kvgate vs materialised gated attention: {tps[a] / tps[b]:.3f}x "
+              f"(target >= 2x)" + (f"; peak memory {peak[a] / peak[b]:.2f}x" if cuda else ""))
     return 0
 
 

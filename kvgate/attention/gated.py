@@ -54,12 +54,30 @@ def _rows_per_chunk(h: int, n: int, chunk: int | None) -> int:
     return chunk or max(16, min(n, (4 << 20) // max(1, h * n)))
 
 
+def _aligned(bias: Tensor) -> Tensor:
+    """``bias`` as a view whose rows start on 16-element boundaries, as the CUDA
+    memory-efficient kernel requires of an attention bias (same values)."""
+    n = bias.shape[-1]
+    if n % 16 == 0 and bias.is_contiguous():
+        return bias
+    padded = bias.new_empty(*bias.shape[:-1], n + (-n % 16))
+    padded[..., :n] = bias
+    return padded[..., :n]
+
+
 def _masked_forward(q: Tensor, k: Tensor, v: Tensor, bias: Tensor, scaling: float):
     """Masked softmax attention returning (out, row log-sum-exp) for the backward."""
     if q.device.type == "cpu":
         # the CPU flash kernel returns the log-sum-exp without an n x n probability tensor
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             q, k, v, 0.0, False, attn_mask=bias, scale=scaling)
+    if q.device.type == "cuda":
+        # CUDA's flash kernel takes no mask; the memory-efficient one takes an additive bias
+        # and returns the log-sum-exp (padded to a multiple of 32 rows)
+        out, lse, _, _ = torch.ops.aten._scaled_dot_product_efficient_attention(
+            q, k, v, _aligned(bias.expand(q.shape[0], q.shape[1], -1, -1)), True, 0.0, False,
+            scale=scaling)
+        return out, lse[..., : q.shape[-2]]
     s = torch.matmul(q, k.transpose(-1, -2)).mul_(scaling).add_(bias)
     lse = torch.logsumexp(s, -1)
     return torch.matmul(torch.exp(s - lse[..., None]), v), lse

@@ -87,7 +87,8 @@ def build_parser() -> argparse.ArgumentParser:
     common(matched, policies="snapkv,h2o", budgets=False)
     tasks(matched)
     matched.add_argument("--reference", default="attention_gate",
-                         help="policy whose per-example eviction the others match")
+                         help="policy whose per-example eviction the others match; "
+                              "LABEL=POLICY takes --policy-opt LABEL.KEY=VALUE options")
     matched.add_argument("--reference-budget", default="0.5",
                          help="budget of a heuristic reference policy (attention_gate and "
                               "full ignore it)")
@@ -295,15 +296,22 @@ def run(args: argparse.Namespace) -> int:
         return 0
 
     check_positive(args.batch_size, "batch-size")
-    policies = parse_policies(args.policies, args.policy_opt)
+    policy_opts = list(args.policy_opt)
+    if args.command == "matched":
+        # the reference takes LABEL=POLICY and its own --policy-opt LABEL.KEY=VALUE, so a gate
+        # at an inference threshold can set the budgets: --reference ag=attention_gate
+        # --policy-opt ag.tau=0.7
+        ref_label = args.reference.partition("=")[0].strip()
+        ref_opts = [o for o in policy_opts if o.partition(".")[0] == ref_label]
+        policy_opts = [o for o in policy_opts if o not in ref_opts]
+        reference = parse_policies(args.reference, ref_opts)[ref_label]
+        ref_budget = Budget.parse(args.reference_budget)
+    policies = parse_policies(args.policies, policy_opts)
     budgets = parse_budgets(args.budgets) if hasattr(args, "budgets") else []
     names = parse_tasks(args.tasks) if hasattr(args, "tasks") else []
     for attr in ("limit", "max_length", "samples", "docs", "max_new_tokens"):
         check_positive(getattr(args, attr, None), attr.replace("_", "-"))
     progress = not args.no_progress
-    if args.command == "matched":
-        reference = parse_policies(args.reference, [])[args.reference]
-        ref_budget = Budget.parse(args.reference_budget)
     if args.command == "needle":
         lengths = parse_numbers(args.lengths, "lengths", int)
         depths = parse_numbers(args.depths, "depths", float)
@@ -327,10 +335,10 @@ def run(args: argparse.Namespace) -> int:
                                          args.patterns, out)
     elif args.command == "matched":
         mc.evaluate_matched(model, tokenizer, tasks, policies, reference, args.mode, store,
-                            args.reference, ref_budget, args.batch_size, args.max_length,
+                            ref_label, ref_budget, args.batch_size, args.max_length,
                             progress)
         if args.patterns and reference.name == "attention_gate":
-            extra_paths = write_patterns(model, tokenizer, tasks, {args.reference: reference},
+            extra_paths = write_patterns(model, tokenizer, tasks, {ref_label: reference},
                                          Budget(ratio=1.0), args.patterns, out)
     elif args.command == "needle":
         nd.evaluate_needle(model, tokenizer, load_texts(args), lengths, depths, policies,

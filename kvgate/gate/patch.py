@@ -14,7 +14,7 @@ from contextlib import contextmanager
 import torch
 from torch import Tensor, nn
 
-from kvgate.gate.config import GateConfig
+from kvgate.gate.config import ConfigError, GateConfig
 from kvgate.gate.module import AttentionGate
 from kvgate.models import dispatch
 from kvgate.models.arch import check_supported
@@ -46,6 +46,11 @@ def patch(model: nn.Module, config: GateConfig | None = None) -> nn.Module:
     cfg = _base_config(model)
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     out_heads = cfg.num_key_value_heads if config.target == "kv" else cfg.num_attention_heads
+    rotary = int(head_dim * (getattr(cfg, "partial_rotary_factor", None) or 1.0))
+    if config.rope and (config.head_dim or head_dim) > rotary:
+        # a rotary gate reuses the model's position tables, which have only `rotary` dims
+        raise ConfigError(f"GateConfig.head_dim: {config.head_dim} exceeds this model's rotary "
+                          f"dimension {rotary}; use head_dim <= {rotary}, null, or rope: false")
     dispatch.install(model)
     previous = None
     for module in dispatch.attention_modules(model):

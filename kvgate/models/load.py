@@ -55,17 +55,20 @@ def resolve_model_id(name_or_path: str | os.PathLike) -> str:
     return name_or_path
 
 
-def _from_folder(folder: str | Path, dtype: torch.dtype, model_kwargs: dict[str, Any],
+def _from_folder(folder: str | Path, dtype: torch.dtype | None, model_kwargs: dict[str, Any],
                  **hub_kwargs: Any) -> tuple[Any, Any]:
+    """(model, tokenizer); dtype None reads the tokenizer alone: (None, tokenizer)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(folder, **hub_kwargs)
+    if dtype is None:
+        return None, tokenizer
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, **model_kwargs,
                                                  **hub_kwargs)
     return model, tokenizer
 
 
-def _from_hub(repo_id: str, dtype: torch.dtype,
+def _from_hub(repo_id: str, dtype: torch.dtype | None,
               model_kwargs: dict[str, Any]) -> tuple[Any, Any]:
     reason = hub_offline_reason()
     if reason is None:
@@ -85,7 +88,7 @@ def _from_hub(repo_id: str, dtype: torch.dtype,
         ) from err
 
 
-def _load_any(name_or_path: str, dtype: torch.dtype,
+def _load_any(name_or_path: str, dtype: torch.dtype | None,
               model_kwargs: dict[str, Any]) -> tuple[Any, Any]:
     if name_or_path in EMBEDDED:
         return _from_folder(prepare_embedded(name_or_path), dtype, model_kwargs)
@@ -135,6 +138,16 @@ def load_base(name_or_path: str | os.PathLike, dtype: torch.dtype | str = torch.
     if not placed:
         model = model.to(device)
     return model.eval(), tokenizer
+
+
+def load_tokenizer(name_or_path: str | os.PathLike) -> Any:
+    """The tokenizer of a base model (alias, local folder, GGUF, hub id) without its weights,
+    with a pad token as ``load_base`` gives it: for data that must be tokenised before the
+    model is built (DeepSpeed asks for the training loader first, to size its batches)."""
+    _, tokenizer = _load_any(os.fspath(name_or_path), None, {})
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
 
 
 def _check_config_early(name_or_path: str) -> None:

@@ -11,9 +11,10 @@ and the data module counts the batches the model has consumed in its ``state_dic
 Lightning stores in every checkpoint. On ``--ckpt_path last`` the sampler skips exactly those
 batches, so a resumed run sees the same sequence of batches as an uninterrupted one.
 
-The tokenizer comes from the model (``KVGateModule.tokenizer``, loaded in ``configure_model``):
-datasets are built lazily in ``train_dataloader``/``val_dataloader``, which Lightning calls
-after ``configure_model``. Outside a Trainer, set ``datamodule.tokenizer`` yourself.
+The tokenizer comes from the model (``KVGateModule.get_tokenizer``: the one ``configure_model``
+loaded, or the tokenizer alone when a strategy asks for the loaders first, as DeepSpeed does):
+datasets are built lazily in ``train_dataloader``/``val_dataloader``. Outside a Trainer, set
+``datamodule.tokenizer`` yourself.
 """
 
 from __future__ import annotations
@@ -214,7 +215,7 @@ class KVGateDataModule(L.LightningDataModule):
         if self.tokenizer is not None:
             return self.tokenizer
         module = self.trainer.lightning_module if self._trainer_attached() else None
-        tok = getattr(module, "tokenizer", None)
+        tok = module.get_tokenizer() if hasattr(module, "get_tokenizer") else None
         if tok is None:
             raise TrainingConfigError(
                 "data: no tokenizer: attach the data module to a Trainer whose model is built, "

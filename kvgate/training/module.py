@@ -313,6 +313,15 @@ class KVGateModule(L.LightningModule):
         self.model = model
         self.tokenizer = tokenizer
 
+    def get_tokenizer(self):
+        """The base's tokenizer; read alone when the model is not built yet (Lightning's
+        DeepSpeed strategy asks for the training loader before ``configure_model``)."""
+        if self.tokenizer is None:
+            from kvgate.models import load_tokenizer
+
+            self.tokenizer = load_tokenizer(self.base_model)
+        return self.tokenizer
+
     def _load_quantized(self):
         """bitsandbytes places the weights at load time, on this rank's GPU (everything else
         loads on the CPU and the strategy moves it)."""

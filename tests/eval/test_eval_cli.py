@@ -105,6 +105,35 @@ def test_matched_end_to_end_with_patterns(capsys, monkeypatch, tiny_llama, tmp_p
     assert "matched-attention_gate" in out
 
 
+def test_matched_reference_takes_a_label_and_its_own_options(capsys, monkeypatch, tiny_llama,
+                                                             tmp_path):
+    torch.manual_seed(0)
+    patch(tiny_llama, GateConfig(gamma=0.0))
+    monkeypatch.setattr(cli, "load_model", lambda args: (tiny_llama, CharTokenizer(),
+                                                         {"model": "tiny", "checkpoint": "c"}))
+    common = ["--checkpoint", "c", "--tasks", "copa", "--policies", "h2o", "--limit", "4",
+              "--patterns", "0", "--no-progress"]
+    code, _, err = run(capsys, "matched", "--out", str(tmp_path / "a"), *common)
+    assert code == 0, err
+    code, _, err = run(capsys, "matched", "--out", str(tmp_path / "b"), *common,
+                       "--reference", "ag80=attention_gate", "--policy-opt", "ag80.tau=0.8")
+    assert code == 0, err
+    plain = json.loads((tmp_path / "a" / "results.json").read_text())["results"]
+    raised = json.loads((tmp_path / "b" / "results.json").read_text())["results"]
+    assert sorted(raised) == ["mc|copa|ag80|none|masked", "mc|copa|h2o|matched-ag80|masked"]
+    # the raised threshold evicts more, and H2O follows it example by example
+    assert (raised["mc|copa|ag80|none|masked"]["evict_pct"]
+            > plain["mc|copa|attention_gate|none|masked"]["evict_pct"])
+    assert (raised["mc|copa|h2o|matched-ag80|masked"]["evict_pct"]
+            > plain["mc|copa|h2o|matched-attention_gate|masked"]["evict_pct"])
+
+
+def test_matched_reference_options_are_checked(capsys, no_model, tmp_path):
+    code, _, err = run(capsys, "matched", "--model", "x", "--out", str(tmp_path),
+                       "--reference", "ag=attention_gate", "--policy-opt", "ag.tau=2")
+    assert code == 2 and "tau" in err and err.count("\n") == 1
+
+
 def test_all_policies_on_a_base_model_skip_the_learned_gate(capsys, tiny_cli, tmp_path):
     code, _, err = run(capsys, "ppl", "--model", "x", "--out", str(tmp_path), "--policies",
                        "all", "--budgets", "0.5", "--text-files", str(_text(tmp_path)),

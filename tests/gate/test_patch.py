@@ -183,6 +183,16 @@ def test_unsupported_architecture_rejected():
         kvgate.patch(model)
 
 
+def test_rotary_gate_wider_than_the_models_rotary_tables_is_refused_at_patch(tiny_llama):
+    # tiny head_dim is 16: a 32-wide rotary gate would fail only in the first forward pass
+    with pytest.raises(ConfigError, match="GateConfig.head_dim: 32 exceeds this model's rotary "
+                                          "dimension 16"):
+        kvgate.patch(tiny_llama, GateConfig(head_dim=32))
+    kvgate.patch(tiny_llama, GateConfig(head_dim=32, rope=False))  # no positions: any width
+    ids = torch.randint(0, 100, (1, 8))
+    assert tiny_llama(ids).logits.shape == (1, 8, tiny_llama.config.vocab_size)
+
+
 @pytest.mark.parametrize("key,value", [("tau", 1.5), ("beta", 0.6), ("heads", 0), ("gamma", -1.0),
                                         ("mode", "bidirectional"), ("sinks", -1)])
 def test_config_errors_name_the_key(key, value):

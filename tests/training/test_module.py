@@ -283,3 +283,20 @@ def test_prompt_continuation_cpt_gates_only_the_prompt_and_scores_only_the_conti
     last_changed[:, 15] += torch.randn_like(last_changed[:, 15])
     assert torch.equal(causal_lm_loss(prompt_changed, batch["labels"])[0], loss)
     assert not torch.isclose(causal_lm_loss(last_changed, batch["labels"])[0], loss)
+
+
+def test_loaders_before_the_model_is_built_read_only_the_tokenizer(base_dir, tmp_path):
+    """Lightning's DeepSpeed strategy asks for the training loader before configure_model (to
+    size its batches): the data must tokenise with the base's tokenizer, the model stay unbuilt."""
+    module = KVGateModule(base_model=base_dir, train="gates", image_every_n_steps=0)
+    data = SyntheticCPT(n_docs=20, seq_len=16, batch_size=2, val_fraction=0.0)
+    t = trainer(tmp_path, max_steps=1)
+    t.strategy.connect(module)  # attach as fit does, without its configure_model
+    data.trainer = t
+    module.trainer = t
+    batch = next(iter(data.train_dataloader()))
+    assert module.model is None and batch["input_ids"].shape == (2, 16)
+    reference = SyntheticCPT(n_docs=20, seq_len=16, batch_size=2, val_fraction=0.0)
+    module.configure_model()
+    reference.tokenizer = module.tokenizer
+    torch.testing.assert_close(data.train_dataset()[0], reference.train_dataset()[0])

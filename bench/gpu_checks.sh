@@ -1,0 +1,96 @@
+#!/usr/bin/env bash
+# GPU checks: the CUDA tests, training speed (kvgate vs materialised gated attention), Lightning
+# in bf16-mixed, the paper's DeepSpeed config on one GPU, and gated generation on CUDA.
+#
+#   bash bench/gpu_checks.sh prepare        # here: writes .gpu/ (config, tokenizer, documents)
+#   bash bench/gpu_checks.sh run OUTDIR     # on the CUDA machine, in the repo root
+#
+# The CUDA machine needs torch, transformers, peft, lightning (no network): the SmolLM2 weights
+# do not travel (98 MB), so the base is a random model of SmolLM2's shape (bench/random_base.py);
+# speed does not depend on weight values. Wheels in .whl/ (deepspeed, bitsandbytes, their
+# dependencies) are installed first when present.
+set -uo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+
+if [ "${1:-}" = prepare ]; then
+  set -e
+  src="$HOME/.cache/kvgate/models/smollm2-135m"
+  mkdir -p .gpu/smollm2-config
+  cp "$src"/{config.json,generation_config.json,tokenizer.json,tokenizer_config.json} .gpu/smollm2-config/
+  # Llama-2-7B's layer shape (4 of its 32 layers; SmolLM2's tokenizer, so its vocabulary):
+  # at this width the attention, not kernel launches, sets the step time
+  mkdir -p .gpu/llama7b-4layers
+  cp .gpu/smollm2-config/tokenizer* .gpu/llama7b-4layers/
+  python - <<'PY'
+from transformers import LlamaConfig
+LlamaConfig(vocab_size=49152, hidden_size=4096, intermediate_size=11008, num_hidden_layers=4,
+            num_attention_heads=32, num_key_value_heads=32, max_position_embeddings=4096,
+            rms_norm_eps=1e-5, tie_word_embeddings=False).save_pretrained(".gpu/llama7b-4layers")
+PY
+  python - <<'PY'
+import json
+from kvgate.data import load_corpus
+with open(".gpu/docs.jsonl", "w") as f:
+    for doc in load_corpus(max_docs=300):
+        f.write(json.dumps({"text": doc}) + "\n")
+PY
+  du -sh .gpu
+  exit 0
+fi
+
+[ "${1:-}" = run ] || { echo "usage: $0 prepare | run OUTDIR" >&2; exit 2; }
+out=${2:?usage: $0 run OUTDIR}
+mkdir -p "$out"
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+py=python3
+status=0
+step() { echo "== $1"; shift; "$@" || { echo "FAILED ($?): $*"; status=1; }; }
+
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$out/device.txt"
+$py -c "import torch, transformers, peft, lightning; print('torch', torch.__version__, '| transformers', transformers.__version__, '| peft', peft.__version__, '| lightning', lightning.__version__)" | tee -a "$out/device.txt"
+
+step "pytest -m gpu" $py -m pytest -m gpu tests/gpu -q -p no:cacheprovider 2>&1 | tee "$out/pytest_gpu.log"
+
+base=/tmp/smollm2-random
+big=/tmp/llama7b-4layers-random
+step "random bases" $py bench/random_base.py .gpu/smollm2-config "$base"
+step "random bases" $py bench/random_base.py .gpu/llama7b-4layers "$big" --dtype bfloat16
+docs=.gpu/docs.jsonl
+bench() {  # BASE DTYPE SEQ BATCH [PAIR]
+  step "bench_train ${5:-materialised} $1 $2 $3x$4" $py bench/bench_train.py \
+    --pair "${5:-materialised}" --device cuda --base "$1" --dtype "$2" --files "$docs" \
+    --seq-len "$3" --batch "$4" --steps 6
+}
+{
+  for seq in 1024 2048 4096; do bench "$big" bfloat16 $seq 1; done
+  for seq in 1024 2048 3072; do bench "$base" bfloat16 $seq 1; done; bench "$base" bfloat16 256 4
+} 2>&1 | grep -v "it/s\]" | tee "$out/bench_train.log"
+
+# runs/ is not in the copy that travels: the runs write where the configs say
+common=(--model.base_model "$base" --data.source files --data.files "[$docs]" --data.max_docs 300
+        --data.num_workers 0 --trainer.max_steps 6 --trainer.val_check_interval 3
+        --trainer.limit_val_batches 2)
+{
+  step "train.py cpt_recipe on 1 GPU, bf16-mixed" $py train.py --config cpt_recipe \
+    --trainer.accelerator gpu --trainer.devices 1 --trainer.precision bf16-mixed \
+    --model.dtype bfloat16 "${common[@]}" --data.seq_len 512
+  # the paper's config as written (gates + LoRA, DeepSpeed ZeRO-2, bf16-mixed, gradient
+  # checkpointing, 128-wide rotary gates) on the Llama-2-7B-shaped base: SmolLM2's heads are
+  # 64 wide, which the config's gate head_dim of 128 rightly refuses
+  step "train.py cpt_redpajama (DeepSpeed ZeRO-2) on 1 GPU" $py train.py --config cpt_redpajama \
+    --trainer.devices 1 --trainer.accumulate_grad_batches 1 "${common[@]}" \
+    --model.base_model "$big" --data.seq_len 1024
+  for ckpt in runs/cpt_recipe/gated runs/cpt_redpajama/gated; do
+    step "infer.py $ckpt on cuda" $py infer.py --checkpoint "$ckpt" --device cuda \
+      --prompt "The history of the river begins in the mountains, where" --max-new-tokens 16
+  done
+} 2>&1 | grep -v "it/s\]" | tee "$out/train.log"
+
+{
+  bench "$base" float32 1024 1; bench "$base" bfloat16 1024 1 lora; bench "$big" bfloat16 2048 1 lora
+} 2>&1 | grep -v "it/s\]" | tee -a "$out/bench_train.log"
+exit $status
