@@ -12,6 +12,7 @@ bad value stops the run before any model is loaded, with a message naming the ke
 from __future__ import annotations
 
 import importlib.util
+import shutil
 import sys
 import warnings
 from pathlib import Path
@@ -90,17 +91,34 @@ def main(argv: list[str] | None = None) -> int:
     clear = (ConfigError, TrainingConfigError, ModelLoadError, DataError, CheckpointError,
              StrategyUnavailable)
     warnings.filterwarnings("ignore", message="LightningCLI's args parameter")
+    cli = None
+    created = None
     try:
         cli = KVGateCLI(KVGateModule, KVGateDataModule, subclass_mode_data=True, run=False,
                         args=argv, save_config_kwargs={"overwrite": True})
+        created = _created_root(Path(cli.trainer.log_dir))
         cli.trainer.fit(cli.model, datamodule=cli.datamodule, ckpt_path=cli.config.get("ckpt_path"))
     except Exception as err:  # only our own errors are shortened; others re-raise
         cause = _find_cause(err, clear)
         if cause is None:
             raise
+        # a run refused before its first step leaves no log folder of its own behind
+        if created is not None and cli.trainer.global_step == 0:
+            shutil.rmtree(created, ignore_errors=True)
         print(f"error: {cause}", file=sys.stderr)
         return 2
     return 0
+
+
+def _created_root(log_dir: Path) -> Path | None:
+    """The outermost folder on the way to ``log_dir`` that does not exist yet (everything in
+    it will be this run's), or None when ``log_dir`` exists already."""
+    path = log_dir.resolve()
+    if path.exists():
+        return None
+    while not path.parent.exists():
+        path = path.parent
+    return path
 
 
 def _find_cause(err: BaseException, types: tuple[type, ...]) -> BaseException | None:

@@ -1,22 +1,55 @@
 """Average accuracy and %Evict per policy over tasks from one or more results.json files.
 
-    python bench/summarize_mc.py results/mc_base_050 [results/mc_cpt_demo ...] [--split-by mode]
+    python bench/summarize_mc.py results/mc_base_050 [results/mc_cpt_demo ...]
+    python bench/summarize_mc.py results/mc_cpt_recipe_v2 --paired attention_gate
 
 Prints a markdown table: policy, budget, tasks, examples, mean acc, mean acc_norm, mean %Evict
 (task-level means, each task weighted equally, as the papers' averages are).
+``--paired NAME`` adds, per policy, the accuracy gap NAME - policy over the examples both
+scored (same mode), with a 95% interval of that task-weighted mean difference.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 from collections import defaultdict
 from pathlib import Path
+
+
+def correct(example: dict) -> float:
+    """1 when the gold choice has the highest log-likelihood (the harness's acc)."""
+    ll = example["ll"]
+    return float(max(range(len(ll)), key=ll.__getitem__) == example["gold"])
+
+
+def paired_gap(ref: list[dict], other: list[dict]) -> tuple[float, float, int]:
+    """Task-weighted mean of acc(ref) - acc(other) over shared examples, its 95% half-width
+    (normal approximation, tasks independent) and the number of shared examples."""
+    by_task = {r["task"]: r["examples"] for r in other}
+    means, variances, shared = [], [], 0
+    for r in ref:
+        theirs = by_task.get(r["task"], {})
+        diffs = [correct(ex) - correct(theirs[uid]) for uid, ex in r["examples"].items()
+                 if uid in theirs]
+        if not diffs:
+            continue
+        m = sum(diffs) / len(diffs)
+        var = sum((d - m) ** 2 for d in diffs) / max(1, len(diffs) - 1)
+        means.append(m)
+        variances.append(var / len(diffs))
+        shared += len(diffs)
+    if not means:
+        return math.nan, math.nan, 0
+    k = len(means)
+    return 100 * sum(means) / k, 100 * 1.96 * math.sqrt(sum(variances)) / k, shared
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("dirs", nargs="+")
+    ap.add_argument("--paired", default=None, help="policy to pair every other policy with")
     args = ap.parse_args()
     groups: dict[tuple, list[dict]] = defaultdict(list)
     for d in args.dirs:
@@ -26,15 +59,25 @@ def main() -> None:
                 continue
             key = (Path(d).name, rec["kind"], rec["policy"], str(rec["budget"]), rec["mode"])
             groups[key].append(rec)
-    print("| results | kind | policy | budget | mode | tasks | examples | acc % | acc_norm % | %Evict |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    paired = {key[4]: recs for key, recs in groups.items() if key[2] == args.paired}
+    extra = " gap vs paired, 95% CI (shared examples) |" if args.paired else ""
+    print("| results | kind | policy | budget | mode | tasks | examples | acc % | acc_norm % | "
+          "%Evict |" + extra)
+    print("|---|---|---|---|---|---|---|---|---|---|" + ("---|" if args.paired else ""))
     for key in sorted(groups):
         recs = groups[key]
         acc, norm, evict = (sum(r[f] for r in recs) / len(recs)
                             for f in ("acc", "acc_norm", "evict_pct"))
+        cell = ""
+        if args.paired:
+            ref = paired.get(key[4])
+            if ref is None or key[2] == args.paired:
+                cell = " |"
+            else:
+                gap, half, n = paired_gap(ref, recs)
+                cell = f" {gap:+.2f} [{gap - half:+.2f}, {gap + half:+.2f}] (n={n}) |"
         print(f"| {' | '.join(key)} | {len(recs)} | {sum(r['n'] for r in recs)} | "
-              f"{acc:.2f} | {norm:.2f} | {evict:.2f} |")
-
+              f"{acc:.2f} | {norm:.2f} | {evict:.2f} |" + cell)
 
 if __name__ == "__main__":
     main()

@@ -83,40 +83,52 @@ def _masked_forward(q: Tensor, k: Tensor, v: Tensor, bias: Tensor, scaling: floa
     return torch.matmul(torch.exp(s - lse[..., None]), v), lse
 
 
-class _GateGradient(torch.autograd.Function):
-    """Identity on the attention output in the forward pass; in the backward pass it adds
-    the gate's gradient ``sum_j P~_jt (dO_j . v_t - D_j)``. q, k, v and the output get their
-    own gradients from the masked attention kernel's backward, so this term costs two
-    matmuls per row chunk and no n x n tensor survives between forward and backward."""
+class _GatedAttention(torch.autograd.Function):
+    """Masked attention whose backward is one chunked pass giving dq, dk, dv and the gate's
+    gradient together. The forward is the fused kernel run without autograd (its own
+    backward would recompute the scores a second time), and only O(n) row statistics, the
+    inputs and the output are kept: neither the n x n bias nor any probability matrix."""
 
     @staticmethod
-    def forward(ctx, out, gate, q, kr, vr, lse, allowed, scaling, recent, chunk):
-        ctx.save_for_backward(gate, q, kr, vr, out, lse, allowed)
+    def forward(ctx, q, kr, vr, gate, bias, keep, allowed, scaling, recent, chunk):
+        out, lse = _masked_forward(q, kr, vr, bias, scaling)
+        ctx.save_for_backward(q, kr, vr, gate, keep, out, lse, allowed)
         ctx.scaling, ctx.recent, ctx.chunk = scaling, recent, chunk
-        return out.view_as(out)
+        return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        gate, q, kr, vr, out, lse, allowed = ctx.saved_tensors
+        q, kr, vr, gate, keep, out, lse, allowed = ctx.saved_tensors
         b, h, n, _ = q.shape
+        scaling = ctx.scaling
         do = grad_out.float()
         delta = (do * out).sum(-1, keepdim=True)  # D_j = dO_j . o_j
+        dq, dk, dv = torch.zeros_like(q), torch.zeros_like(kr), torch.zeros_like(vr)
         dgate = torch.zeros(b, h, n, dtype=torch.float32, device=q.device)
         step = _rows_per_chunk(h, n, ctx.chunk)
         for start in range(0, n, step):
             rows = slice(start, min(start + step, n))
             base, ungated = _chunk_masks(allowed, rows, n, ctx.recent, q.device)
             cols = slice(0, rows.stop)  # keys after the last row of the chunk are never seen
-            s = torch.matmul(q[:, :, rows], kr[:, :, cols].transpose(-1, -2)).mul_(ctx.scaling)
-            # P~ for every key the base mask allows, kept or evicted (exponent clamped)
+            s = torch.matmul(q[:, :, rows], kr[:, :, cols].transpose(-1, -2)).mul_(scaling)
+            # P~ for every key the base mask allows, kept or evicted (exponent clamped); a
+            # visible key has s <= lse, so the clamp never touches the true probabilities
             pt = s.sub_(lse[:, :, rows, None]).clamp_(max=EXP_CLAMP).exp_()
-            pt = pt.masked_fill_(~base | ungated, 0.0)  # gated region only
+            pt = pt.masked_fill_(~base, 0.0)
             resid = torch.matmul(do[:, :, rows], vr[:, :, cols].transpose(-1, -2))
-            dgate[..., cols] += pt.mul_(resid.sub_(delta[:, :, rows])).sum(-2)
+            resid = resid.sub_(delta[:, :, rows])  # dO_j . v_t - D_j
+            visible = ungated | keep[..., cols]
+            p = pt.masked_fill(~visible, 0.0)  # the forward's probabilities
+            dv[:, :, cols] += torch.matmul(p.transpose(-1, -2), do[:, :, rows])
+            ds = p.mul_(resid).mul_(scaling)
+            dq[:, :, rows] = torch.matmul(ds, kr[:, :, cols])
+            dk[:, :, cols] += torch.matmul(ds.transpose(-1, -2), q[:, :, rows])
+            # gate gradient over the gated region (the recent band and diagonal bypass it)
+            dgate[..., cols] += pt.masked_fill_(ungated, 0.0).mul_(resid).sum(-2)
         hg = gate.shape[1]
         if hg != h:
             dgate = dgate.view(b, hg, h // hg, n).sum(2)
-        return grad_out, dgate.to(gate.dtype), None, None, None, None, None, None, None, None
+        return dq, dk, dv, dgate.to(gate.dtype), None, None, None, None, None, None
 
 
 def gated_attention(q: Tensor, k: Tensor, v: Tensor, gate: Tensor, allowed: Tensor | None = None,
@@ -152,10 +164,13 @@ def gated_attention(q: Tensor, k: Tensor, v: Tensor, gate: Tensor, allowed: Tens
     vis = base & (ungated | keep)  # [B, H, n, n]
     bias = torch.where(vis, 0.0, -math.inf)
     del vis
-    out, lse = _masked_forward(q.float(), kr, vr, bias, scaling)
-    if gate.requires_grad and torch.is_grad_enabled():
-        out = _GateGradient.apply(out, gate, q.detach().float(), kr.detach(), vr.detach(),
-                                  lse.detach(), allowed, scaling, int(recent), chunk)
+    qf = q.float()
+    if torch.is_grad_enabled() and (gate.requires_grad or qf.requires_grad
+                                    or kr.requires_grad or vr.requires_grad):
+        out = _GatedAttention.apply(qf, kr, vr, gate, bias, keep, allowed, scaling, int(recent),
+                                    chunk)
+    else:
+        out, _ = _masked_forward(qf, kr, vr, bias, scaling)
     return out.to(q.dtype)
 
 

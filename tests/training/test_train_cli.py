@@ -250,3 +250,19 @@ def test_two_process_ddp_on_the_cpu(base_dir, tmp_path):
     assert state["global_step"] == 2
     _, _, meta = load_gated(tmp_path / "run" / "gated")
     assert meta["training"]["global_step"] == 2
+
+
+@pytest.mark.parametrize("logger", [False, True])
+def test_run_refused_at_build_leaves_no_folder_behind(base_dir, tmp_path, capsys, logger):
+    # the tiny model's heads are 16 wide: a 64-wide rotary gate is refused when the gates go in
+    # (configure_model, inside fit), after the logger and the config saver have their folder
+    config = tiny_config(tmp_path, base_dir)
+    extra = ["--trainer.logger", "lightning.pytorch.loggers.TensorBoardLogger",
+             "--trainer.logger.save_dir", str(tmp_path / "run" / "tb")] if logger else []
+    code = train.main(["--config", str(config), "--model.gate.head_dim", "64", *extra])
+    assert code == 2
+    assert "GateConfig.head_dim: 64 exceeds this model's rotary dimension 16" in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()
+    (tmp_path / "run").mkdir()  # a folder that was there before the run is left alone
+    assert train.main(["--config", str(config), "--model.gate.head_dim", "64", *extra]) == 2
+    assert (tmp_path / "run").is_dir()
