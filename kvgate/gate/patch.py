@@ -47,10 +47,11 @@ def patch(model: nn.Module, config: GateConfig | None = None) -> nn.Module:
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     out_heads = cfg.num_key_value_heads if config.target == "kv" else cfg.num_attention_heads
     rotary = int(head_dim * (getattr(cfg, "partial_rotary_factor", None) or 1.0))
-    if config.rope and (config.head_dim or head_dim) > rotary:
+    gate_dim = config.head_dim or head_dim
+    if config.rope and gate_dim > rotary:
         # a rotary gate reuses the model's position tables, which have only `rotary` dims
-        raise ConfigError(f"GateConfig.head_dim: {config.head_dim} exceeds this model's rotary "
-                          f"dimension {rotary}; use head_dim <= {rotary}, null, or rope: false")
+        raise ConfigError(f"GateConfig.head_dim: {gate_dim} exceeds this model's rotary "
+                          f"dimension {rotary}; use head_dim <= {rotary} or rope: false")
     dispatch.install(model)
     previous = None
     for module in dispatch.attention_modules(model):
