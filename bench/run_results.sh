@@ -67,7 +67,10 @@ case "${1:-all}" in
   pplctx) # perplexity at a fixed context: every gate, then the heuristics at each gate's eviction
     ctx=$2; cont=$3; windows=$4; out=$5; shift 5
     gates=("$@")   # gated checkpoint folders, e.g. runs/cpt_recipe/gated runs/abl_distill/gated
-    win=(--docs 2000 --context "$ctx" --continuation "$cont" --windows "$windows" --no-progress)
+    # held-out tail: the last 2,000 documents for 256-token windows, 4,000 from 1,024 on (32
+    # windows of 2,048 tokens need more text); the rows in docs/RESULTS.md used exactly these
+    docs=$(( ctx >= 1024 ? 4000 : 2000 ))
+    win=(--docs "$docs" --context "$ctx" --continuation "$cont" --windows "$windows" --no-progress)
     for ck in "${gates[@]}"; do
       name=$(basename "$(dirname "$ck")")
       python -m kvgate.eval ppl --checkpoint "$ck" --policies attention_gate "${win[@]}" \
