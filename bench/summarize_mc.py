@@ -14,14 +14,18 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import sys
 from collections import defaultdict
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from kvgate.eval.multiple_choice import best_choice
 
 
 def correct(example: dict) -> float:
     """1 when the gold choice has the highest log-likelihood (the harness's acc)."""
-    ll = example["ll"]
-    return float(max(range(len(ll)), key=ll.__getitem__) == example["gold"])
+    return float(best_choice(example["ll"]) == example["gold"])
 
 
 def paired_gap(ref: list[dict], other: list[dict]) -> tuple[float, float, int]:

@@ -178,6 +178,11 @@ def evict_summary(records: Mapping[str, Mapping[str, Any]]) -> dict[str, float]:
             "evict_pct_tokens": 100.0 * (1.0 - kept / max(total, 1))}
 
 
+def best_choice(scores: Sequence[float]) -> int:
+    """Index of the highest-scoring choice (the first on a tie)."""
+    return max(range(len(scores)), key=scores.__getitem__)
+
+
 def mc_summary(records: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
     """acc / acc_norm (in %) and %Evict over the stored examples."""
     n = len(records)
@@ -185,8 +190,8 @@ def mc_summary(records: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
     for r in records.values():
         ll = r["ll"]
         norm = [x / max(c, 1) for x, c in zip(ll, r["chars"])]
-        hits += int(max(range(len(ll)), key=ll.__getitem__) == r["gold"])
-        hits_norm += int(max(range(len(norm)), key=norm.__getitem__) == r["gold"])
+        hits += int(best_choice(ll) == r["gold"])
+        hits_norm += int(best_choice(norm) == r["gold"])
     acc = 100.0 * hits / n if n else math.nan
     acc_norm = 100.0 * hits_norm / n if n else math.nan
     return {"n": n, "acc": acc, "acc_norm": acc_norm, **evict_summary(records)}

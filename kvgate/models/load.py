@@ -133,8 +133,7 @@ def load_base(name_or_path: str | os.PathLike, dtype: torch.dtype | str = torch.
     model, tokenizer = _load_any(name_or_path, dtype, model_kwargs)
     if require_supported:
         check_supported(model.config)
-    if tokenizer.pad_token is None:
-        tokenizer.pad_token = tokenizer.eos_token
+    _ensure_pad(tokenizer)
     if not placed:
         model = model.to(device)
     return model.eval(), tokenizer
@@ -145,6 +144,11 @@ def load_tokenizer(name_or_path: str | os.PathLike) -> Any:
     with a pad token as ``load_base`` gives it: for data that must be tokenised before the
     model is built (DeepSpeed asks for the training loader first, to size its batches)."""
     _, tokenizer = _load_any(os.fspath(name_or_path), None, {})
+    return _ensure_pad(tokenizer)
+
+
+def _ensure_pad(tokenizer: Any) -> Any:
+    # batches are padded: a tokenizer without a pad token pads with EOS
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer

@@ -325,7 +325,7 @@ class KVGateModule(L.LightningModule):
     def _load_quantized(self):
         """bitsandbytes places the weights at load time, on this rank's GPU (everything else
         loads on the CPU and the strategy moves it)."""
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoModelForCausalLM
 
         from kvgate.models import check_supported, parse_dtype, resolve_model_id
 
@@ -335,10 +335,7 @@ class KVGateModule(L.LightningModule):
             source, quantization_config=_bnb_config(self.quantize, self.dtype_name),
             dtype=parse_dtype(self.dtype_name), device_map={"": str(device)})
         check_supported(model.config)
-        tokenizer = AutoTokenizer.from_pretrained(source)
-        if tokenizer.pad_token is None:
-            tokenizer.pad_token = tokenizer.eos_token
-        return model, tokenizer
+        return model, self.get_tokenizer()
 
     def trainable_named_parameters(self) -> list[tuple[str, nn.Parameter]]:
         return [(n, p) for n, p in self.named_parameters() if p.requires_grad]
