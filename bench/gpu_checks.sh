@@ -47,8 +47,10 @@ if ls .whl/*.whl >/dev/null 2>&1; then
 fi
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 py=python3
-status=0
-step() { echo "== $1"; shift; "$@" || { echo "FAILED ($?): $*"; status=1; }; }
+# steps run inside pipelines (subshells), so failures are collected in a file, not a variable
+failed="$out/failed_steps.txt"
+rm -f "$failed"
+step() { echo "== $1"; shift; "$@" || { echo "FAILED ($?): $*"; echo "$*" >> "$failed"; }; }
 
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$out/device.txt"
 $py -c "import torch, transformers, peft, lightning; print('torch', torch.__version__, '| transformers', transformers.__version__, '| peft', peft.__version__, '| lightning', lightning.__version__)" | tee -a "$out/device.txt"
@@ -71,13 +73,12 @@ bench() {  # BASE DTYPE SEQ BATCH [PAIR]
 } 2>&1 | grep -v "it/s\]" | tee "$out/bench_train.log"
 
 # runs/ is not in the copy that travels: the runs write where the configs say
-common=(--model.base_model "$base" --data.source files --data.files "[$docs]" --data.max_docs 300
-        --data.num_workers 0 --trainer.max_steps 6 --trainer.val_check_interval 3
-        --trainer.limit_val_batches 2)
+common=(--data.source files --data.files "[$docs]" --data.max_docs 300 --data.num_workers 0
+        --trainer.max_steps 6 --trainer.val_check_interval 3 --trainer.limit_val_batches 2)
 {
   step "train.py cpt_recipe on 1 GPU, bf16-mixed" $py train.py --config cpt_recipe \
     --trainer.accelerator gpu --trainer.devices 1 --trainer.precision bf16-mixed \
-    --model.dtype bfloat16 "${common[@]}" --data.seq_len 512
+    --model.dtype bfloat16 --model.base_model "$base" "${common[@]}" --data.seq_len 512
   # the paper's config as written (gates + LoRA, DeepSpeed ZeRO-2, bf16-mixed, gradient
   # checkpointing, 128-wide rotary gates) on the Llama-2-7B-shaped base: SmolLM2's heads are
   # 64 wide, which the config's gate head_dim of 128 rightly refuses
@@ -93,4 +94,4 @@ common=(--model.base_model "$base" --data.source files --data.files "[$docs]" --
 {
   bench "$base" float32 1024 1; bench "$base" bfloat16 1024 1 lora; bench "$big" bfloat16 2048 1 lora
 } 2>&1 | grep -v "it/s\]" | tee -a "$out/bench_train.log"
-exit $status
+if [ -s "$failed" ]; then echo "failed steps:"; cat "$failed"; exit 1; fi
