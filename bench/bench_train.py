@@ -32,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import kvgate.gate.apply as gate_apply
 from kvgate.attention.gated import gated_attention_reference
+from kvgate.inference.engine import _sync
 from kvgate.training.data import CPTDataModule, collate_blocks
 from kvgate.training.module import KVGateModule, causal_lm_loss
 
@@ -64,11 +65,6 @@ def build(base: str, train: str, dtype: str = "float32",
     module.to(device)
     params = [p for _, p in module.trainable_named_parameters()]
     return module, torch.optim.AdamW(params, lr=1e-4)
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def step(module: KVGateModule, opt: torch.optim.Optimizer, batch: dict) -> float:
