@@ -145,6 +145,44 @@ def test_attention_gate_tau_dials_eviction_and_equals_a_gate_trained_at_it(model
         assert torch.equal(a, b)
 
 
+def test_attention_gate_full_prefill_encodes_like_the_full_cache(model):
+    """prefill="full": the prompt is encoded with full attention (prefill logits equal the full
+    cache's), the cache then holds the gate's flags (layer 0 sees the same input either way, so
+    it keeps what the in-prefill gate keeps), and decoding reads the compressed cache."""
+    from kvgate.gate import GateConfig, patch, unpatch
+    from kvgate.models import dispatch
+
+    ids = torch.randint(1, 128, (2, 20), generator=torch.Generator().manual_seed(2))
+    mask = torch.ones_like(ids)
+    torch.manual_seed(0)
+    patch(model, GateConfig(gamma=0.0))
+    try:
+        dispatch.install(model)
+
+        def prefill(policy):
+            cache = CompressedCache(model, policy, Budget(ratio=1.0))
+            with torch.no_grad():
+                logits = model(ids, attention_mask=mask, past_key_values=cache).logits
+            return logits, cache
+
+        full_logits, full_cache = prefill(get_policy("full"))
+        one_logits, one_cache = prefill(get_policy("attention_gate", prefill="full"))
+        gated_logits, gated_cache = prefill(get_policy("attention_gate"))
+    finally:
+        unpatch(model)
+    torch.testing.assert_close(one_logits, full_logits)
+    assert (gated_logits - full_logits).abs().max() > 1e-3  # in-prefill eviction changes them
+    assert torch.equal(one_cache.kept_counts(0), gated_cache.kept_counts(0))
+    assert int(one_cache.kept_counts(0).sum()) < int(full_cache.kept_counts(0).sum())
+
+
+def test_attention_gate_prefill_is_checked():
+    from kvgate.policies.base import PolicyError
+
+    with pytest.raises(PolicyError, match="prefill.*gated, full"):
+        get_policy("attention_gate", prefill="eager")
+
+
 @pytest.mark.parametrize("bad", [0, 1, 1.5, True, "high"])
 def test_attention_gate_tau_is_checked(bad):
     from kvgate.policies.base import PolicyError

@@ -110,6 +110,21 @@ def test_learned_gate_masked_equals_cache(tiny_model, config):
     assert 0.05 < sum(s.evict for s in masked) / 3 < 0.95  # the random gate really evicts
 
 
+def test_learned_gate_full_prefill_masked_equals_cache(tiny_model):
+    """prefill="full" (the gate as a one-shot policy): masked mode still equals the real cache,
+    and it scores differently from the paper's in-prefill eviction with the same flags' gate."""
+    torch.manual_seed(3)
+    patch(tiny_model, GateConfig(gamma=0.0))
+    items = random_items(3, seed=7)
+    one_shot = get_policy("attention_gate", prefill="full")
+    masked, _ = masked_scores(tiny_model, items, one_shot, [HALF] * 3)
+    cached = cache_scores(tiny_model, items, one_shot, HALF)
+    assert _lls(masked) == pytest.approx(_lls(cached), abs=2e-5)
+    assert [s.kept for s in masked] == [s.kept for s in cached]
+    gated, _ = masked_scores(tiny_model, items, get_policy("attention_gate"), [HALF] * 3)
+    assert max(abs(a - b) for a, b in zip(_lls(masked), _lls(gated))) > 1e-3
+
+
 def test_learned_gate_masked_equals_training_forward(tiny_llama):
     """The gated model's own (training-time) forward over context + one choice, with the gate
     bidirectional over the context and choice tokens never gated, is masked mode."""
