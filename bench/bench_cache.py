@@ -28,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
 from kvgate.cache import CompressedCache
+from kvgate.inference.engine import sync_device
 from kvgate.models import dispatch
 from kvgate.policies import get_policy
 from kvgate.policies.base import Budget
@@ -55,18 +56,13 @@ def load_model(args) -> tuple[torch.nn.Module, str]:
     return model, f"random SmolLM2-shape LLaMA ({args.layers} layers)"
 
 
-def _sync(device: str) -> None:
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
-
-
 @torch.no_grad()
 def prefill(model, ids, cache, device: str) -> tuple[float, torch.Tensor]:
     """(seconds, next token) of one prefill into ``cache``."""
-    _sync(device)
+    sync_device(torch.device(device))
     t0 = time.perf_counter()
     out = model(ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
-    _sync(device)
+    sync_device(torch.device(device))
     return time.perf_counter() - t0, out.logits[:, -1:].argmax(-1)
 
 
@@ -81,10 +77,10 @@ def decode_interleaved(model, caches: dict, tokens: dict, steps: int, device: st
                 dispatch.uninstall(model)
             else:
                 dispatch.install(model)
-            _sync(device)
+            sync_device(torch.device(device))
             t0 = time.perf_counter()
             out = model(tokens[name], past_key_values=cache, use_cache=True)
-            _sync(device)
+            sync_device(torch.device(device))
             times[name].append(time.perf_counter() - t0)
             tokens[name] = out.logits[:, -1:].argmax(-1)
     return times

@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import kvgate.gate.apply as gate_apply
 from kvgate.attention.gated import gated_attention_reference
-from kvgate.inference.engine import _sync
+from kvgate.inference.engine import sync_device
 from kvgate.training.data import CPTDataModule, collate_blocks
 from kvgate.training.module import KVGateModule, causal_lm_loss
 
@@ -69,13 +69,13 @@ def build(base: str, train: str, dtype: str = "float32",
 
 def step(module: KVGateModule, opt: torch.optim.Optimizer, batch: dict) -> float:
     device = batch["input_ids"].device
-    _sync(device)
+    sync_device(device)
     start = time.perf_counter()
     loss = _loss(module, batch)
     loss.backward()
     opt.step()
     opt.zero_grad(set_to_none=True)
-    _sync(device)
+    sync_device(device)
     return time.perf_counter() - start
 
 

@@ -71,7 +71,8 @@ class GenerationResult:
     prompt_ids: list[list[int]] = field(default_factory=list)
 
 
-def _sync(device: torch.device) -> None:
+def sync_device(device: torch.device) -> None:
+    """Wait for queued kernels, so a wall-clock reading covers them (a no-op on the CPU)."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
@@ -168,12 +169,12 @@ class Engine:
 
         cache = self.new_cache()
         device = self.device
-        _sync(device)
+        sync_device(device)
         t0 = time.perf_counter()
         positions = _positions(mask)
         out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions,
                          past_key_values=cache, use_cache=True, logits_to_keep=1)
-        _sync(device)
+        sync_device(device)
         prefill_s = time.perf_counter() - t0
         kept = cache.kept_fraction()
         kept_layers = cache.kept_fractions()
@@ -203,7 +204,7 @@ class Engine:
                              past_key_values=cache, use_cache=True)
             next_pos = next_pos + 1
             steps += 1
-        _sync(device)
+        sync_device(device)
         decode_s = time.perf_counter() - t1
 
         generated = torch.stack(tokens, dim=1).tolist()
