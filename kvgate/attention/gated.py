@@ -3,6 +3,10 @@
 Query j sees key t iff the base mask allows it (causal, padding, sliding window) and
 (t is within the last ``recent`` keys of j, the diagonal included, or keep[t]).
 
+With a ``prompt`` mask (one-shot use: the prompt is encoded with full attention and compressed
+afterwards, as the heuristics do) the gate applies only where a token after the prompt reads a
+prompt token: prompt rows see every earlier token, and tokens after the prompt are never evicted.
+
 A plain -inf mask would give the gate of an evicted token no gradient, so it could never come
 back. The multiplicative gated softmax ``p_jt = g_t e_jt / sum_u g_u e_ju`` equals the masked
 softmax in the forward pass and has the closed-form gate gradient
@@ -27,9 +31,11 @@ from torch import Tensor
 EXP_CLAMP = 10.0
 
 
-def _chunk_masks(allowed: Tensor | None, rows: slice, n: int, recent: int, device) -> tuple[Tensor, Tensor]:
+def _chunk_masks(allowed: Tensor | None, rows: slice, n: int, recent: int, device,
+                 prompt: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """For query rows ``rows`` over the keys they can reach causally (0 .. rows.stop):
-    (base [B|1, 1, r, c] allowed, ungated [1, 1, r, c] always-visible: diagonal + recent)."""
+    (base [B|1, 1, r, c] allowed, ungated [1|B, 1, r, c] always-visible: diagonal + recent, and
+    with ``prompt`` [B, n] the prompt's own rows and every key after the prompt)."""
     cols = rows.stop
     qi = torch.arange(n, device=device)[rows][:, None]
     ki = torch.arange(cols, device=device)[None, :]
@@ -37,7 +43,10 @@ def _chunk_masks(allowed: Tensor | None, rows: slice, n: int, recent: int, devic
     base = causal[None, None] if allowed is None else (allowed[:, :, rows, :cols] & causal)
     ungated = (qi - ki < max(recent, 1)) & causal
     base = base | (ki == qi)  # never an empty row, also for padding queries
-    return base, ungated[None, None]
+    ungated = ungated[None, None]
+    if prompt is not None:
+        ungated = ungated | (prompt[:, None, rows, None] | ~prompt[:, None, None, :cols])
+    return base, ungated
 
 
 def _keep_per_query_head(gate: Tensor, h: int) -> Tensor:
@@ -90,15 +99,15 @@ class _GatedAttention(torch.autograd.Function):
     inputs and the output are kept: neither the n x n bias nor any probability matrix."""
 
     @staticmethod
-    def forward(ctx, q, kr, vr, gate, bias, keep, allowed, scaling, recent, chunk):
+    def forward(ctx, q, kr, vr, gate, bias, keep, allowed, prompt, scaling, recent, chunk):
         out, lse = _masked_forward(q, kr, vr, bias, scaling)
-        ctx.save_for_backward(q, kr, vr, gate, keep, out, lse, allowed)
+        ctx.save_for_backward(q, kr, vr, gate, keep, out, lse, allowed, prompt)
         ctx.scaling, ctx.recent, ctx.chunk = scaling, recent, chunk
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        q, kr, vr, gate, keep, out, lse, allowed = ctx.saved_tensors
+        q, kr, vr, gate, keep, out, lse, allowed, prompt = ctx.saved_tensors
         b, h, n, _ = q.shape
         scaling = ctx.scaling
         do = grad_out.float()
@@ -108,7 +117,7 @@ class _GatedAttention(torch.autograd.Function):
         step = _rows_per_chunk(h, n, ctx.chunk)
         for start in range(0, n, step):
             rows = slice(start, min(start + step, n))
-            base, ungated = _chunk_masks(allowed, rows, n, ctx.recent, q.device)
+            base, ungated = _chunk_masks(allowed, rows, n, ctx.recent, q.device, prompt)
             cols = slice(0, rows.stop)  # keys after the last row of the chunk are never seen
             s = torch.matmul(q[:, :, rows], kr[:, :, cols].transpose(-1, -2)).mul_(scaling)
             # P~ for every key the base mask allows, kept or evicted (exponent clamped); a
@@ -128,19 +137,21 @@ class _GatedAttention(torch.autograd.Function):
         hg = gate.shape[1]
         if hg != h:
             dgate = dgate.view(b, hg, h // hg, n).sum(2)
-        return dq, dk, dv, dgate.to(gate.dtype), None, None, None, None, None, None
+        return dq, dk, dv, dgate.to(gate.dtype), None, None, None, None, None, None, None
 
 
 def gated_attention(q: Tensor, k: Tensor, v: Tensor, gate: Tensor, allowed: Tensor | None = None,
                     scaling: float | None = None, recent: int = 0,
-                    chunk: int | None = None) -> Tensor:
+                    chunk: int | None = None, prompt: Tensor | None = None) -> Tensor:
     """Attention where evicted keys (gate 0) are hidden from every later query.
 
     q [B, H, n, d]; k, v [B, H_kv, n, d]; gate [B, H_kv, n] (one flag per KV head, broadcast to
     its query heads) or [B, H, n] (per query head), forward values exactly 0/1 (a straight-
     through value carries its gradient); allowed [B, 1|H, n, n] bool base mask (True = may
     attend; causal/padding/window) or None for plain causal; recent: keys within the last
-    ``recent`` positions of each query bypass the gate (the diagonal always does).
+    ``recent`` positions of each query bypass the gate (the diagonal always does); prompt
+    [B, n] bool or None: one-shot use (module docstring), the gate only hides prompt keys from
+    the rows after the prompt.
     Returns [B, H, n, d] in q's dtype. Softmax and accumulation run in fp32.
     """
     b, h, n, d = q.shape
@@ -159,16 +170,18 @@ def gated_attention(q: Tensor, k: Tensor, v: Tensor, gate: Tensor, allowed: Tens
     g = h // k.shape[1]
     kr = k.repeat_interleave(g, 1).float()
     vr = v.repeat_interleave(g, 1).float()
+    if prompt is not None and tuple(prompt.shape) != (b, n):
+        raise ValueError(f"prompt shape {tuple(prompt.shape)} must be [B, n] = [{b}, {n}]")
     keep = _keep_per_query_head(gate, h)
-    base, ungated = _chunk_masks(allowed, slice(0, n), n, recent, q.device)
+    base, ungated = _chunk_masks(allowed, slice(0, n), n, recent, q.device, prompt)
     vis = base & (ungated | keep)  # [B, H, n, n]
     bias = torch.where(vis, 0.0, -math.inf)
     del vis
     qf = q.float()
     if torch.is_grad_enabled() and (gate.requires_grad or qf.requires_grad
                                     or kr.requires_grad or vr.requires_grad):
-        out = _GatedAttention.apply(qf, kr, vr, gate, bias, keep, allowed, scaling, int(recent),
-                                    chunk)
+        out = _GatedAttention.apply(qf, kr, vr, gate, bias, keep, allowed, prompt, scaling,
+                                    int(recent), chunk)
     else:
         out, _ = _masked_forward(qf, kr, vr, bias, scaling)
     return out.to(q.dtype)
@@ -176,7 +189,7 @@ def gated_attention(q: Tensor, k: Tensor, v: Tensor, gate: Tensor, allowed: Tens
 
 def gated_attention_reference(q: Tensor, k: Tensor, v: Tensor, gate: Tensor,
                               allowed: Tensor | None = None, scaling: float | None = None,
-                              recent: int = 0) -> Tensor:
+                              recent: int = 0, prompt: Tensor | None = None) -> Tensor:
     """Materialised multiplicative gated softmax (the spec's formula); slow, for tests.
 
     Differentiable in a *continuous* gate too, which is what finite-difference checks need.
@@ -188,7 +201,7 @@ def gated_attention_reference(q: Tensor, k: Tensor, v: Tensor, gate: Tensor,
     vv = v.repeat_interleave(h // hk, 1).float()
     gq = gate.repeat_interleave(h // hk, 1) if gate.shape[1] == hk else gate
     base, ungated = _chunk_masks(None if allowed is None else allowed.expand(b, 1, n, n),
-                                 slice(0, n), n, recent, q.device)
+                                 slice(0, n), n, recent, q.device, prompt)
     s = torch.matmul(q.float(), kk.transpose(-1, -2)) * scaling
     gm = torch.where(ungated, torch.ones_like(s), gq.float()[:, :, None, :].expand_as(s))
     gm = gm * base

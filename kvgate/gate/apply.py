@@ -46,7 +46,8 @@ def gate_attend_mask(valid: Tensor, prompt: Tensor | None, mode: str) -> Tensor 
 def compute_gate(module: nn.Module, hidden: Tensor, position_embeddings, valid: Tensor,
                  prompt: Tensor | None = None, tau: float | None = None) -> GateRecord:
     """Straight-through keep flags of one layer: [B, H_gate, n], with sinks, padding and
-    (in prompt_bidirectional mode) non-prompt tokens forced to 1. ``tau`` overrides the
+    (in prompt_bidirectional mode or with a full prefill) non-prompt tokens forced to 1.
+    ``tau`` overrides the
     gate's keep threshold."""
     gate_mod = module.kv_gate
     cfg = gate_mod.config
@@ -56,8 +57,8 @@ def compute_gate(module: nn.Module, hidden: Tensor, position_embeddings, valid: 
         if prev_hidden is not None and prev_hidden.shape[:2] == hidden.shape[:2]:
             hidden = prev_hidden
     counted = valid.clone()
-    if cfg.mode == "prompt_bidirectional" and prompt is not None:
-        counted &= prompt
+    if prompt is not None and (cfg.mode == "prompt_bidirectional" or cfg.prefill == "full"):
+        counted &= prompt  # only prompt tokens can be evicted
     if module.layer_idx < cfg.ungated_layers:
         gate = torch.ones(b, gate_mod.out_heads, n, device=hidden.device)
         return GateRecord(gate, counted)
@@ -68,6 +69,12 @@ def compute_gate(module: nn.Module, hidden: Tensor, position_embeddings, valid: 
         # the first `sinks` real tokens of each sequence (left padding shifts them)
         rank = torch.cumsum(valid.long(), -1)
         forced = forced | (valid & (rank <= cfg.sinks))
+    if cfg.prefill == "full" and cfg.recent and prompt is not None:
+        # one-shot: the last `recent` prompt tokens stay in the cache, as inference keeps them,
+        # so training sees exactly the cache it will be used with (and counts them as kept)
+        real_prompt = prompt & valid
+        from_end = real_prompt.long().flip(-1).cumsum(-1).flip(-1)
+        forced = forced | (real_prompt & (from_end <= cfg.recent))
     gate = torch.where(forced[:, None, :], torch.ones_like(gate), gate)
     return GateRecord(gate, counted)
 
@@ -90,6 +97,12 @@ def gated_layer_attention(module: nn.Module, query: Tensor, key: Tensor, value: 
                           module.kv_gate.prompt_mask)
     module.kv_gate.last = record
     allowed = None if attention_mask is None else attention_mask
+    prompt = None
+    if module.kv_gate.config.prefill == "full":
+        # one-shot: without a marked prompt the whole input is the prompt, encoded in full
+        prompt = module.kv_gate.prompt_mask
+        if prompt is None:
+            prompt = torch.ones(b, n, dtype=torch.bool, device=query.device)
     out = gated_attention(query, key, value, record.gate, allowed, scaling=scaling,
-                          recent=module.kv_gate.config.recent)
+                          recent=module.kv_gate.config.recent, prompt=prompt)
     return out.transpose(1, 2).contiguous(), None

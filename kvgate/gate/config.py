@@ -7,6 +7,7 @@ from typing import Any, Literal
 
 GateMode = Literal["causal", "prompt_bidirectional"]
 GateTarget = Literal["kv", "query"]
+GatePrefill = Literal["gated", "full"]
 
 
 class ConfigError(ValueError):
@@ -34,6 +35,10 @@ class GateConfig:
     ungated_layers: int = 0  # the first k layers keep every token
     sinks: int = 0  # always-kept first tokens (count as kept)
     recent: int = 0  # always-kept last keys of every query / last prompt tokens
+    # "gated": the paper's eq. 5, every token evicts for every later one (also inside a prompt);
+    # "full": one-shot, trained on prompt + continuation blocks: the prompt attends fully and
+    # only the continuation reads the gated prompt, as when a heuristic compresses after prefill
+    prefill: GatePrefill = "gated"
 
     def __post_init__(self) -> None:
         self.validate()
@@ -56,6 +61,8 @@ class GateConfig:
             raise bad("beta", f"must lie in [0, tau={self.tau}] (paper: beta in [0, tau])")
         if self.mode not in ("causal", "prompt_bidirectional"):
             raise bad("mode", "must be 'causal' or 'prompt_bidirectional'")
+        if self.prefill not in ("gated", "full"):
+            raise bad("prefill", "must be 'gated' or 'full'")
         if self.target not in ("kv", "query"):
             raise bad("target", "must be 'kv' or 'query'")
         for key in ("ungated_layers", "sinks", "recent"):

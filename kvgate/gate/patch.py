@@ -104,8 +104,9 @@ def gates_open(model: nn.Module) -> Iterator[None]:
 
 @contextmanager
 def prompt_segment(model: nn.Module, prompt_mask: Tensor | None) -> Iterator[None]:
-    """Mark the prompt ``[B, n]`` bool for ``prompt_bidirectional`` gates: they attend
-    bidirectionally over the prompt only, and tokens after it are never gated."""
+    """Mark the prompt ``[B, n]`` bool: tokens after it are never gated, and
+    ``prompt_bidirectional`` gates attend bidirectionally over the prompt only; with
+    ``prefill="full"`` the prompt attends fully and only later tokens read the gated prompt."""
     gates = gate_modules(model)
     for g in gates:
         g.__dict__["prompt_mask"] = prompt_mask

@@ -14,13 +14,13 @@ which tokens will end the prompt; the tail supplies that. Tail tokens count as k
 ``sigmoid(score + gamma)``. A higher one evicts more, so one trained gate can be run at several
 eviction ratios, the way a heuristic takes a budget; the gate never trained at that threshold.
 
-``prefill`` (inference option, default ``"gated"``): ``"gated"`` is the paper's in-prefill
-eviction above, which also saves prefill attention. ``"full"`` encodes the whole prompt with full
-causal attention and applies the gate's flags only to what the cache keeps afterwards, exactly as
-every one-shot heuristic (H2O, SnapKV, ...) does: the same prefill cost and the same decode cache
-as theirs, so a comparison at matched eviction differs in the keep decision alone. The flags
-then come from hidden states the gate did not see in training (those of a fully attended
-prompt), so the eviction ratio can move a little.
+``prefill`` (inference option, default: as the gate trained, ``GateConfig.prefill``):
+``"gated"`` is the paper's in-prefill eviction above, which also saves prefill attention.
+``"full"`` encodes the whole prompt with full causal attention and applies the gate's flags only
+to what the cache keeps afterwards, exactly as every one-shot heuristic (H2O, SnapKV, ...) does:
+the same prefill cost and the same decode cache as theirs, so a comparison at matched eviction
+differs in the keep decision alone. A gate trained with eq. 5 and run with ``"full"`` reads
+hidden states it did not see in training, so its eviction ratio can move a little.
 """
 
 from __future__ import annotations
@@ -52,13 +52,12 @@ class AttentionGatePolicy(Policy):
     encode_recent = 0  # set from the gate's config by keep(): recent band inside the prefill
     tail: float | int = 0
     tau: float | None = None
-    prefill: str = "gated"
+    prefill: str | None = None
 
     def __post_init__(self) -> None:
         check_share(self.name, "tail", self.tail)
-        check_choice(self.name, "prefill", self.prefill, ("gated", "full"))
-        # the caches read encode_mask per instance: "full" makes this a one-shot policy
-        self.encode_mask = self.prefill == "gated"
+        if self.prefill is not None:
+            check_choice(self.name, "prefill", self.prefill, ("gated", "full"))
         if self.tau is not None and (isinstance(self.tau, bool) or not isinstance(self.tau, (int, float))
                                      or not 0.0 < self.tau < 1.0):
             raise option_error(self.name, "tau", "must be a number in (0, 1)", self.tau)
@@ -82,7 +81,11 @@ class AttentionGatePolicy(Policy):
         hk = prompt.key.shape[1]
         if flags.shape[1] != hk:
             flags = flags.view(flags.shape[0], hk, -1, flags.shape[-1]).any(2)
-        recent = module.kv_gate.config.recent
+        config = module.kv_gate.config
+        # the caches read encode_mask per instance after keep(): "full" makes this a one-shot
+        # policy (full prefill attention, then the cache keeps the flagged entries)
+        self.encode_mask = (self.prefill or config.prefill) == "gated"
+        recent = config.recent
         # the prefill must show each query its last `recent` keys, as training did (the cache
         # reads this after keep())
         self.encode_recent = recent

@@ -399,6 +399,11 @@ class KVGateModule(L.LightningModule):
         r = self.recipe_cfg
         if self.gated and self.global_step < r.warmstart_steps:
             return self._warmstart_step(batch)
+        if self.gated and self.gate_cfg.prefill == "full" and batch.get("prompt_mask") is None:
+            # a fully attended input with no continuation reads no gated entry: nothing to learn
+            raise TrainingConfigError(
+                "model.gate.prefill: 'full' trains on prompt + continuation blocks; set "
+                "data.init_args.continuation > 0 (CPT) or train on a task (SFT)")
         logits = self(batch["input_ids"], batch["attention_mask"], batch.get("prompt_mask"))
         lm, _ = causal_lm_loss(logits, batch["labels"])
         loss = r.lm_weight * lm

@@ -142,6 +142,27 @@ def test_learned_gate_masked_equals_training_forward(tiny_llama):
     assert masked[0].evict > 0
 
 
+@pytest.mark.parametrize("recent", [0, 2])
+def test_full_prefill_gate_masked_equals_training_forward(tiny_llama, recent):
+    """A gate trained one-shot (``GateConfig.prefill="full"``) is run one-shot by default, and
+    masked-mode scoring of context + one choice is exactly its training forward with the context
+    as the prompt: what it trains on is what it is measured on."""
+    torch.manual_seed(5)
+    patch(tiny_llama, GateConfig(gamma=0.0, prefill="full", recent=recent))
+    item = random_items(1, seed=9, choices=1, lo=12, hi=13)[0]
+    policy = get_policy("attention_gate")
+    masked, _ = masked_scores(tiny_llama, [item], policy, [HALF])
+    assert policy.encode_mask is False
+    ctx, ch = list(item.context), list(item.choices[0])
+    ids = torch.tensor([ctx + ch])
+    prompt = torch.tensor([[True] * len(ctx) + [False] * len(ch)])
+    with torch.no_grad(), prompt_segment(tiny_llama, prompt):
+        logp = torch.log_softmax(tiny_llama(ids).logits[0].double(), -1)
+    want = sum(logp[len(ctx) - 1 + j, t].item() for j, t in enumerate(ch))
+    assert masked[0].loglik[0] == pytest.approx(want, abs=1e-4)
+    assert masked[0].evict > 0
+
+
 def test_one_budget_per_item_is_required(tiny_llama):
     with pytest.raises(EvalError, match="one budget per item"):
         masked_scores(tiny_llama, random_items(2), get_policy("full"), [HALF])

@@ -44,7 +44,8 @@ def test_causal_order_kept_even_when_everything_kept():
 
 @pytest.mark.parametrize("per_query_head", [False, True])
 @pytest.mark.parametrize("recent", [0, 3])
-def test_forward_and_all_gradients_match_materialised_formula(per_query_head, recent):
+@pytest.mark.parametrize("one_shot", [False, True])
+def test_forward_and_all_gradients_match_materialised_formula(per_query_head, recent, one_shot):
     q, k, v = _qkv()
     b, h, n, _ = q.shape
     hg = h if per_query_head else k.shape[1]
@@ -52,8 +53,12 @@ def test_forward_and_all_gradients_match_materialised_formula(per_query_head, re
     gate.requires_grad_(True)
     allowed = torch.ones(b, 1, n, n, dtype=torch.bool)
     allowed[0, :, :, :5] = False  # left padding of sample 0
-    out = gated_attention(q, k, v, gate, allowed, recent=recent, chunk=7)
-    ref = gated_attention_reference(q, k, v, gate, allowed, recent=recent)
+    prompt = None
+    if one_shot:  # prompts of different lengths, the chunk boundary inside one of them
+        prompt = torch.zeros(b, n, dtype=torch.bool)
+        prompt[0, 5:16], prompt[1, :12] = True, True
+    out = gated_attention(q, k, v, gate, allowed, recent=recent, chunk=7, prompt=prompt)
+    ref = gated_attention_reference(q, k, v, gate, allowed, recent=recent, prompt=prompt)
     real = torch.ones(b, n, dtype=torch.bool)
     real[0, :5] = False
     torch.testing.assert_close(out[:, :, :][real[:, None, :, None].expand_as(out)],
@@ -63,6 +68,28 @@ def test_forward_and_all_gradients_match_materialised_formula(per_query_head, re
     g2 = torch.autograd.grad((ref * w).sum(), [q, k, v, gate])
     for a, c in zip(g1, g2):
         torch.testing.assert_close(a, c, atol=1e-5, rtol=1e-4)
+
+
+def test_one_shot_prompt_rows_attend_fully_and_only_later_rows_are_gated():
+    """With a prompt mask the prompt is encoded as with full attention whatever the flags, and
+    the tokens after it see the kept prompt tokens plus every earlier token after the prompt."""
+    n, p = 6, 3
+    q, k = torch.zeros(1, 1, n, n), torch.zeros(1, 1, n, n)
+    v = torch.eye(n).view(1, 1, n, n)
+    gate = torch.tensor([[[1.0, 0.0, 0.0, 0.0, 0.0, 1.0]]])  # prompt token 1, 2 and 3, 4 "evicted"
+    prompt = torch.tensor([[True] * p + [False] * (n - p)])
+    out = gated_attention(q, k, v, gate, prompt=prompt)[0, 0]
+    expected = torch.tensor([
+        [1, 0, 0, 0, 0, 0],
+        [1 / 2, 1 / 2, 0, 0, 0, 0],          # prompt rows: full causal attention
+        [1 / 3, 1 / 3, 1 / 3, 0, 0, 0],
+        [1 / 2, 0, 0, 1 / 2, 0, 0],          # after the prompt: kept prompt token 0 + itself
+        [1 / 3, 0, 0, 1 / 3, 1 / 3, 0],      # tokens after the prompt are never evicted
+        [1 / 4, 0, 0, 1 / 4, 1 / 4, 1 / 4],
+    ])
+    torch.testing.assert_close(out, expected)
+    with pytest.raises(ValueError, match="prompt shape"):
+        gated_attention(q, k, v, gate, prompt=prompt[:, :4])
 
 
 def test_spec_worked_example_gradient_to_evicted_token():

@@ -194,7 +194,8 @@ def test_rotary_gate_wider_than_the_models_rotary_tables_is_refused_at_patch(tin
 
 
 @pytest.mark.parametrize("key,value", [("tau", 1.5), ("beta", 0.6), ("heads", 0), ("gamma", -1.0),
-                                        ("mode", "bidirectional"), ("sinks", -1)])
+                                        ("mode", "bidirectional"), ("sinks", -1),
+                                        ("prefill", "eager")])
 def test_config_errors_name_the_key(key, value):
     with pytest.raises(ConfigError, match=f"GateConfig.{key}"):
         GateConfig(**{key: value})

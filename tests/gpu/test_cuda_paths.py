@@ -44,7 +44,8 @@ def _grads(fn, *tensors):
 
 @pytest.mark.parametrize("n", [37, 128])  # 37: rows of the bias not 16-aligned
 @pytest.mark.parametrize("recent", [0, 5])
-def test_fused_gated_attention_on_cuda_matches_the_materialised_formula(n, recent):
+@pytest.mark.parametrize("one_shot", [False, True])
+def test_fused_gated_attention_on_cuda_matches_the_materialised_formula(n, recent, one_shot):
     g = torch.Generator().manual_seed(0)
     b, h, hk, d = 2, 4, 2, 16
     q, k, v = (torch.randn(b, hh, n, d, generator=g).to(CUDA).requires_grad_(True)
@@ -52,10 +53,15 @@ def test_fused_gated_attention_on_cuda_matches_the_materialised_formula(n, recen
     gate = (torch.rand(b, hk, n, generator=g) > 0.4).float().to(CUDA).requires_grad_(True)
     allowed = torch.ones(b, 1, n, n, dtype=torch.bool, device=CUDA)
     allowed[0, :, :, :3] = False  # left padding of sample 0
+    prompt = None
+    if one_shot:  # full prompt attention, gated continuation (GateConfig.prefill="full")
+        prompt = torch.zeros(b, n, dtype=torch.bool, device=CUDA)
+        prompt[0, 3: n // 2], prompt[1, : n // 3] = True, True
 
-    out, grads = _grads(lambda *t: gated_attention(*t, allowed, recent=recent), q, k, v, gate)
-    ref, ref_grads = _grads(lambda *t: gated_attention_reference(*t, allowed, recent=recent),
-                            q, k, v, gate)
+    out, grads = _grads(lambda *t: gated_attention(*t, allowed, recent=recent, prompt=prompt),
+                        q, k, v, gate)
+    ref, ref_grads = _grads(lambda *t: gated_attention_reference(*t, allowed, recent=recent,
+                                                                 prompt=prompt), q, k, v, gate)
     real = (slice(None), slice(None), slice(3, None))  # padding queries of sample 0 differ
     torch.testing.assert_close(out[1], ref[1], atol=2e-5, rtol=1e-4)
     torch.testing.assert_close(out[0][real[1:]], ref[0][real[1:]], atol=2e-5, rtol=1e-4)

@@ -285,6 +285,40 @@ def test_prompt_continuation_cpt_gates_only_the_prompt_and_scores_only_the_conti
     assert not torch.isclose(causal_lm_loss(last_changed, batch["labels"])[0], loss)
 
 
+def test_full_prefill_cpt_encodes_the_prompt_as_the_base_and_gates_only_what_follows(base_dir, tmp_path):
+    """``prefill="full"``: prompt positions get exactly the gates-open model's logits (the
+    prompt attends fully), the continuation reads the gated prompt (its logits move), the last
+    ``recent`` prompt tokens are kept and counted, the gates get a gradient, and a run without
+    a prompt / continuation split is refused by name."""
+    from kvgate.gate.loss import gate_records
+    from kvgate.recipes import teacher_logits
+
+    module = built(base_dir, train="gates",
+                   gate=GateConfig(gamma=0.0, beta=0.3, prefill="full", recent=2))
+    data = SyntheticCPT(n_docs=40, seq_len=24, batch_size=2, val_fraction=0.0, continuation=8)
+    data.tokenizer = module.tokenizer
+    batch = next(iter(data.train_dataloader()))
+    logits = module(batch["input_ids"], batch["attention_mask"], batch["prompt_mask"])
+    records = gate_records(module.model)
+    teacher = teacher_logits(module.model, input_ids=batch["input_ids"],
+                             attention_mask=batch["attention_mask"], use_cache=False)
+    torch.testing.assert_close(logits[:, :16], teacher[:, :16], atol=1e-5, rtol=1e-4)
+    assert (logits[:, 16:] - teacher[:, 16:]).abs().max() > 1e-3
+    for _, rec in records:
+        assert torch.equal(rec.counted, batch["prompt_mask"])
+        assert (rec.gate[..., 14:] == 1).all()  # the last 2 prompt tokens and the continuation
+    assert any((rec.gate[..., :14] == 0).any() for _, rec in records)
+    loss, _ = causal_lm_loss(logits, batch["labels"])
+    gates = [p for p in module.parameters() if p.requires_grad]
+    grads = torch.autograd.grad(loss, gates, allow_unused=True)
+    assert any(g is not None and g.abs().sum() > 0 for g in grads)
+
+    plain = SyntheticCPT(n_docs=40, seq_len=24, batch_size=2, val_fraction=0.0)
+    plain.tokenizer = module.tokenizer
+    with pytest.raises(TrainingConfigError, match="prefill.*continuation"):
+        module.training_step(next(iter(plain.train_dataloader())), 0)
+
+
 def test_loaders_before_the_model_is_built_read_only_the_tokenizer(base_dir, tmp_path):
     """Lightning's DeepSpeed strategy asks for the training loader before configure_model (to
     size its batches): the data must tokenise with the base's tokenizer, the model stay unbuilt."""
