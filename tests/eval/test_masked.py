@@ -125,6 +125,17 @@ def test_learned_gate_full_prefill_masked_equals_cache(tiny_model):
     assert max(abs(a - b) for a, b in zip(_lls(masked), _lls(gated))) > 1e-3
 
 
+def _training_forward_loglik(model, item):
+    """Log-likelihood of the item's one choice from the gated model's own (training-time)
+    forward over context + choice, with the context marked as the prompt."""
+    ctx, ch = list(item.context), list(item.choices[0])
+    ids = torch.tensor([ctx + ch])
+    prompt = torch.tensor([[True] * len(ctx) + [False] * len(ch)])
+    with torch.no_grad(), prompt_segment(model, prompt):
+        logp = torch.log_softmax(model(ids).logits[0].double(), -1)
+    return sum(logp[len(ctx) - 1 + j, t].item() for j, t in enumerate(ch))
+
+
 def test_learned_gate_masked_equals_training_forward(tiny_llama):
     """The gated model's own (training-time) forward over context + one choice, with the gate
     bidirectional over the context and choice tokens never gated, is masked mode."""
@@ -132,13 +143,7 @@ def test_learned_gate_masked_equals_training_forward(tiny_llama):
     patch(tiny_llama, GateConfig(gamma=0.0, mode="prompt_bidirectional"))
     item = random_items(1, seed=8, choices=1, lo=12, hi=13)[0]
     masked, _ = masked_scores(tiny_llama, [item], get_policy("attention_gate"), [HALF])
-    ctx, ch = list(item.context), list(item.choices[0])
-    ids = torch.tensor([ctx + ch])
-    prompt = torch.tensor([[True] * len(ctx) + [False] * len(ch)])
-    with torch.no_grad(), prompt_segment(tiny_llama, prompt):
-        logp = torch.log_softmax(tiny_llama(ids).logits[0].double(), -1)
-    want = sum(logp[len(ctx) - 1 + j, t].item() for j, t in enumerate(ch))
-    assert masked[0].loglik[0] == pytest.approx(want, abs=1e-4)
+    assert masked[0].loglik[0] == pytest.approx(_training_forward_loglik(tiny_llama, item), abs=1e-4)
     assert masked[0].evict > 0
 
 
@@ -153,13 +158,7 @@ def test_full_prefill_gate_masked_equals_training_forward(tiny_llama, recent):
     policy = get_policy("attention_gate")
     masked, _ = masked_scores(tiny_llama, [item], policy, [HALF])
     assert policy.encode_mask is False
-    ctx, ch = list(item.context), list(item.choices[0])
-    ids = torch.tensor([ctx + ch])
-    prompt = torch.tensor([[True] * len(ctx) + [False] * len(ch)])
-    with torch.no_grad(), prompt_segment(tiny_llama, prompt):
-        logp = torch.log_softmax(tiny_llama(ids).logits[0].double(), -1)
-    want = sum(logp[len(ctx) - 1 + j, t].item() for j, t in enumerate(ch))
-    assert masked[0].loglik[0] == pytest.approx(want, abs=1e-4)
+    assert masked[0].loglik[0] == pytest.approx(_training_forward_loglik(tiny_llama, item), abs=1e-4)
     assert masked[0].evict > 0
 
 
