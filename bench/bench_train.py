@@ -37,9 +37,11 @@ from kvgate.training.data import CPTDataModule, collate_blocks
 from kvgate.training.module import KVGateModule, causal_lm_loss
 
 
-def materialised(q, k, v, gate, allowed=None, scaling=None, recent=0, chunk=None):
-    """The prototype's gated attention: the n x n gated softmax, autograd backward."""
-    return gated_attention_reference(q, k, v, gate, allowed, scaling=scaling, recent=recent)
+def materialised(q, k, v, gate, allowed=None, scaling=None, recent=0, chunk=None, prompt=None):
+    """The prototype's gated attention: the n x n gated softmax, autograd backward (takes
+    every argument of kvgate's ``gated_attention``, so it can stand in for it)."""
+    return gated_attention_reference(q, k, v, gate, allowed, scaling=scaling, recent=recent,
+                                     prompt=prompt)
 
 
 @contextmanager

@@ -157,3 +157,24 @@ def test_gqa_flag_broadcast_to_its_query_heads():
     # query heads 0,1 (KV head 0) change after token 3; heads 2,3 (KV head 1) do not
     assert (out[0, :2, 4:] - full[0, :2, 4:]).abs().max() > 1e-4
     torch.testing.assert_close(out[0, 2:], full[0, 2:])
+
+
+def test_bench_stand_in_takes_every_argument_of_the_kernel():
+    """bench/bench_train.py swaps the kernel for the materialised formula: it must accept all
+    that the gated layers pass, and compute the same attention."""
+    import importlib.util
+    import inspect
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "bench" / "bench_train.py"
+    spec = importlib.util.spec_from_file_location("bench_train_under_test", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    assert (list(inspect.signature(bench.materialised).parameters)
+            == list(inspect.signature(gated_attention).parameters))
+    q, k, v = _qkv(b=1, n=10)
+    gate = (torch.rand(1, 2, 10, generator=torch.Generator().manual_seed(2)) > 0.5).double()
+    prompt = torch.tensor([[True] * 6 + [False] * 4])
+    torch.testing.assert_close(bench.materialised(q, k, v, gate, recent=2, prompt=prompt),
+                               gated_attention(q, k, v, gate, recent=2, prompt=prompt),
+                               atol=1e-6, rtol=1e-5)  # both fp32 inside
