@@ -47,8 +47,7 @@ def compute_gate(module: nn.Module, hidden: Tensor, position_embeddings, valid: 
                  prompt: Tensor | None = None, tau: float | None = None) -> GateRecord:
     """Straight-through keep flags of one layer: [B, H_gate, n], with sinks, padding and
     (in prompt_bidirectional mode or with a full prefill) non-prompt tokens forced to 1.
-    ``tau`` overrides the
-    gate's keep threshold."""
+    ``tau`` overrides the gate's keep threshold."""
     gate_mod = module.kv_gate
     cfg = gate_mod.config
     b, n = valid.shape

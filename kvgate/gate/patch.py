@@ -104,9 +104,10 @@ def gates_open(model: nn.Module) -> Iterator[None]:
 
 @contextmanager
 def prompt_segment(model: nn.Module, prompt_mask: Tensor | None) -> Iterator[None]:
-    """Mark the prompt ``[B, n]`` bool: tokens after it are never gated, and
-    ``prompt_bidirectional`` gates attend bidirectionally over the prompt only; with
-    ``prefill="full"`` the prompt attends fully and only later tokens read the gated prompt."""
+    """Mark the prompt ``[B, n]`` bool. ``prompt_bidirectional`` gates attend bidirectionally
+    over the prompt only; with ``prefill="full"`` the prompt attends fully and only later tokens
+    read the gated prompt. In both, tokens after the prompt are never gated; a causal eq. 5 gate
+    (the default) ignores the mark."""
     gates = gate_modules(model)
     for g in gates:
         g.__dict__["prompt_mask"] = prompt_mask
