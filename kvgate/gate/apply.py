@@ -10,6 +10,7 @@ from torch import Tensor, nn
 from kvgate.attention.gated import gated_attention
 from kvgate.cache.prefill import new_token_validity
 from kvgate.models.dispatch import context
+from kvgate.policies.base import last_real
 
 
 @dataclass
@@ -71,9 +72,8 @@ def compute_gate(module: nn.Module, hidden: Tensor, position_embeddings, valid: 
     if cfg.prefill == "full" and cfg.recent and prompt is not None:
         # one-shot: the last `recent` prompt tokens stay in the cache, as inference keeps them,
         # so training sees exactly the cache it will be used with (and counts them as kept)
-        real_prompt = prompt & valid
-        from_end = real_prompt.long().flip(-1).cumsum(-1).flip(-1)
-        forced = forced | (real_prompt & (from_end <= cfg.recent))
+        recent = torch.full((b,), cfg.recent, device=valid.device)
+        forced = forced | last_real(prompt & valid, recent)[:, 0]
     gate = torch.where(forced[:, None, :], torch.ones_like(gate), gate)
     return GateRecord(gate, counted)
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, fields
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 GateMode = Literal["causal", "prompt_bidirectional"]
 GateTarget = Literal["kv", "query"]
@@ -61,7 +61,7 @@ class GateConfig:
             raise bad("beta", f"must lie in [0, tau={self.tau}] (paper: beta in [0, tau])")
         if self.mode not in ("causal", "prompt_bidirectional"):
             raise bad("mode", "must be 'causal' or 'prompt_bidirectional'")
-        if self.prefill not in ("gated", "full"):
+        if self.prefill not in get_args(GatePrefill):
             raise bad("prefill", "must be 'gated' or 'full'")
         if self.target not in ("kv", "query"):
             raise bad("target", "must be 'kv' or 'query'")

@@ -26,10 +26,12 @@ hidden states it did not see in training, so its eviction ratio can move a littl
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import get_args
 
 import torch
 from torch import Tensor
 
+from kvgate.gate.config import GatePrefill
 from kvgate.policies.base import (
     Budget,
     LayerPrompt,
@@ -57,7 +59,7 @@ class AttentionGatePolicy(Policy):
     def __post_init__(self) -> None:
         check_share(self.name, "tail", self.tail)
         if self.prefill is not None:
-            check_choice(self.name, "prefill", self.prefill, ("gated", "full"))
+            check_choice(self.name, "prefill", self.prefill, get_args(GatePrefill))
         if self.tau is not None and (isinstance(self.tau, bool) or not isinstance(self.tau, (int, float))
                                      or not 0.0 < self.tau < 1.0):
             raise option_error(self.name, "tau", "must be a number in (0, 1)", self.tau)
