@@ -4,13 +4,18 @@
     python bench/bench_train.py --pair materialised --seq-len 256 --batch 4
     python bench/bench_train.py --pair materialised --device cuda --dtype bfloat16 \
         --base DIR --files docs.jsonl     # a GPU with no embedded corpus (see bench/gpu_checks.sh)
+    python bench/bench_train.py --pair materialised --prefill full --continuation 64 \
+        --recent 16 --sinks 4 --distill-weight 1 --lm-weight 0 --seq-len 256 --batch 4
 
 ``--pair lora`` (default, issue #4): gates + LoRA vs LoRA only; prints the slowdown
 LoRA-only / gates+LoRA (target <= 1.35).
 ``--pair materialised`` (issue #7): gates-only training with kvgate's gated attention (flash
 forward + closed-form chunked gate gradient) vs the same step with the gated softmax
 materialised as an n x n matrix and differentiated by autograd (the prototype's way); prints
-the speed-up (target >= 2x).
+the speed-up (target >= 2x). With ``--prefill full`` (one-shot gates, ``--continuation`` tokens
+of each block scored) a third regime, ``kvgate_whole``, runs kvgate's kernel over the whole
+block as the materialised regime does, while ``kvgate`` encodes the prompt once without autograd
+(``kvgate.gate.prefix``: same loss and gradients), so the two speed-ups are told apart.
 
 Each timed step is forward + loss + backward + AdamW step of ``KVGateModule.training_step``.
 The regimes alternate step by step (A, B, A, B, ...) on the same batches, so drifting load
@@ -32,9 +37,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import kvgate.gate.apply as gate_apply
 from kvgate.attention.gated import gated_attention_reference
+from kvgate.gate import GateConfig
 from kvgate.inference.engine import sync_device
-from kvgate.training.data import CPTDataModule, collate_blocks
-from kvgate.training.module import KVGateModule, causal_lm_loss
+from kvgate.training.data import CPTDataModule
+from kvgate.training.module import KVGateModule
 
 
 def materialised(q, k, v, gate, allowed=None, scaling=None, recent=0, chunk=None, prompt=None):
@@ -58,11 +64,13 @@ def attention_impl(name: str):
         gate_apply.gated_attention = saved
 
 
-def build(base: str, train: str, dtype: str = "float32",
-          device: str = "cpu") -> tuple[KVGateModule, torch.optim.Optimizer]:
+def build(base: str, train: str, dtype: str = "float32", device: str = "cpu",
+          gate: GateConfig | None = None,
+          recipe: dict | None = None) -> tuple[KVGateModule, torch.optim.Optimizer]:
     torch.manual_seed(0)
     module = KVGateModule(base_model=base, train=train, image_every_n_steps=0, dtype=dtype,
-                          lora={"rank": 8, "alpha": 16.0, "dropout": 0.0})
+                          lora={"rank": 8, "alpha": 16.0, "dropout": 0.0},
+                          gate=gate or GateConfig(), recipe=recipe or {})
     module.configure_model()
     module.to(device)
     params = [p for _, p in module.trainable_named_parameters()]
@@ -83,12 +91,7 @@ def step(module: KVGateModule, opt: torch.optim.Optimizer, batch: dict) -> float
 
 def _loss(module: KVGateModule, batch: dict) -> torch.Tensor:
     """training_step's loss without its self.log calls (they need a Trainer)."""
-    logits = module(batch["input_ids"], batch["attention_mask"])
-    loss, _ = causal_lm_loss(logits, batch["labels"])
-    if module.gated:
-        ev, _ = module.gate_terms(batch)
-        loss = loss + ev
-    return loss
+    return module.objective(batch)[0]
 
 
 def main() -> int:
@@ -105,31 +108,49 @@ def main() -> int:
                         help="frozen base weights (gates and LoRA train in fp32)")
     parser.add_argument("--files", nargs="*", default=None,
                         help="local .txt/.jsonl documents instead of the embedded corpus")
+    parser.add_argument("--prefill", choices=["gated", "full"], default="gated",
+                        help="GateConfig.prefill: the paper's eq. 5, or one-shot gates")
+    parser.add_argument("--continuation", type=int, default=0,
+                        help="scored tokens at the end of each block (one-shot needs > 0)")
+    parser.add_argument("--recent", type=int, default=0, help="GateConfig.recent")
+    parser.add_argument("--sinks", type=int, default=0, help="GateConfig.sinks")
+    parser.add_argument("--distill-weight", type=float, default=0.0,
+                        help="recipe.distill_weight (the teacher's forward is part of a step)")
+    parser.add_argument("--lm-weight", type=float, default=1.0, help="recipe.lm_weight")
     args = parser.parse_args()
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         raise SystemExit(f"--device {args.device}: no CUDA device here")
+    if args.prefill == "full" and not 0 < args.continuation < args.seq_len - 1:
+        raise SystemExit("--prefill full: set --continuation between 1 and --seq-len - 2")
+    gate = GateConfig(prefill=args.prefill, recent=args.recent, sinks=args.sinks)
+    recipe = {"distill_weight": args.distill_weight, "lm_weight": args.lm_weight}
 
     def make(train: str):
-        return build(args.base, train, args.dtype, args.device)
+        return build(args.base, train, args.dtype, args.device, gate, recipe)
 
+    split = {}  # regime -> KVGateModule.split_prompt (default True)
     if args.pair == "lora":
         regimes = {"gates_lora": make("gates_lora"), "lora": make("lora")}
         impl = {"gates_lora": "kvgate", "lora": "kvgate"}
     else:
         module, opt = make("gates")
-        # one module, two attention routes: identical weights, so only the kernel differs
-        regimes = {"kvgate": (module, opt), "materialised": (module, opt)}
-        impl = {"kvgate": "kvgate", "materialised": "materialised"}
+        # one module, several routes: identical weights, so only the computation differs
+        names = ["kvgate", "kvgate_whole", "materialised"] if args.prefill == "full" else [
+            "kvgate", "materialised"]
+        regimes = {name: (module, opt) for name in names}
+        impl = {name: "materialised" if name == "materialised" else "kvgate" for name in names}
+        split = {"kvgate_whole": False, "materialised": False}
     data = CPTDataModule(source="files" if args.files else "embedded", files=args.files,
                          max_docs=200, seq_len=args.seq_len, batch_size=args.batch,
-                         val_fraction=0.0)
+                         val_fraction=0.0, continuation=args.continuation)
     data.tokenizer = next(iter(regimes.values()))[0].tokenizer
     blocks = data.train_dataset()
     n_batches = args.steps + 1
     if len(blocks) < n_batches * args.batch:
         raise SystemExit(f"corpus too small for {n_batches} batches of {args.batch}x{args.seq_len}")
+    collate = data.collate_train(pad_id=0)  # blocks are never padded
     batches = [{k: v.to(args.device) for k, v in
-                collate_blocks([blocks[i * args.batch + j] for j in range(args.batch)]).items()}
+                collate([blocks[i * args.batch + j] for j in range(args.batch)]).items()}
                for i in range(n_batches)]
     for module, _ in regimes.values():
         module.train()
@@ -143,6 +164,7 @@ def main() -> int:
                 continue
             if cuda:
                 torch.cuda.reset_peak_memory_stats(args.device)
+            module.split_prompt = split.get(name, True)
             try:
                 with attention_impl(impl[name]):
                     took = step(module, opt, batch)
@@ -160,7 +182,8 @@ def main() -> int:
     where = (torch.cuda.get_device_name(args.device) if cuda
              else f"cpu threads={torch.get_num_threads()}")
     print(f"base={args.base} seq_len={args.seq_len} batch={args.batch} timed_steps={args.steps} "
-          f"dtype={args.dtype} device={where}")
+          f"dtype={args.dtype} device={where} prefill={args.prefill} "
+          f"continuation={args.continuation} distill_weight={args.distill_weight}")
     for name in regimes:
         if name in failed:
             print(f"  {name:<11} {failed[name]}")
@@ -175,6 +198,10 @@ def main() -> int:
     else:
         print(f"speed-up kvgate vs materialised gated attention: {tps[a] / tps[b]:.3f}x "
               f"(target >= 2x)" + (f"; peak memory {peak[a] / peak[b]:.2f}x" if cuda else ""))
+        if "kvgate_whole" in tps:
+            print(f"  of which two passes (kvgate vs kvgate_whole): "
+                  f"{tps['kvgate'] / tps['kvgate_whole']:.3f}x; kernel (kvgate_whole vs "
+                  f"materialised): {tps['kvgate_whole'] / tps[b]:.3f}x")
     return 0
 
 

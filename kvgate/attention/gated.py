@@ -7,6 +7,10 @@ With a ``prompt`` mask (one-shot use: the prompt is encoded with full attention 
 afterwards, as the heuristics do) the gate applies only where a token after the prompt reads a
 prompt token: prompt rows see every earlier token, and tokens after the prompt are never evicted.
 
+Queries may be only the last rows of the sequence (``q`` shorter than ``k``: a continuation
+reading an encoded prefix's K/V, as one-shot training's second pass does); they compute exactly
+those rows of the full problem.
+
 A plain -inf mask would give the gate of an evicted token no gradient, so it could never come
 back. The multiplicative gated softmax ``p_jt = g_t e_jt / sum_u g_u e_ju`` equals the masked
 softmax in the forward pass and has the closed-form gate gradient
@@ -31,13 +35,14 @@ from torch import Tensor
 EXP_CLAMP = 10.0
 
 
-def _chunk_masks(allowed: Tensor | None, rows: slice, n: int, recent: int, device,
+def _chunk_masks(allowed: Tensor | None, rows: slice, offset: int, recent: int, device,
                  prompt: Tensor | None = None) -> tuple[Tensor, Tensor]:
-    """For query rows ``rows`` over the keys they can reach causally (0 .. rows.stop):
-    (base [B|1, 1, r, c] allowed, ungated [1|B, 1, r, c] always-visible: diagonal + recent, and
-    with ``prompt`` [B, n] the prompt's own rows and every key after the prompt)."""
-    cols = rows.stop
-    qi = torch.arange(n, device=device)[rows][:, None]
+    """For query rows ``rows`` (positions ``offset + rows`` of the sequence) over the keys they
+    can reach causally (0 .. offset + rows.stop): (base [B|1, 1, r, c] allowed, ungated
+    [1|B, 1, r, c] always-visible: diagonal + recent, and with ``prompt`` [B, n_keys] the
+    prompt's own rows and every key after the prompt)."""
+    cols = offset + rows.stop
+    qi = torch.arange(offset + rows.start, cols, device=device)[:, None]
     ki = torch.arange(cols, device=device)[None, :]
     causal = ki <= qi
     base = causal[None, None] if allowed is None else (allowed[:, :, rows, :cols] & causal)
@@ -45,7 +50,8 @@ def _chunk_masks(allowed: Tensor | None, rows: slice, n: int, recent: int, devic
     base = base | (ki == qi)  # never an empty row, also for padding queries
     ungated = ungated[None, None]
     if prompt is not None:
-        ungated = ungated | (prompt[:, None, rows, None] | ~prompt[:, None, None, :cols])
+        at = slice(offset + rows.start, cols)
+        ungated = ungated | (prompt[:, None, at, None] | ~prompt[:, None, None, :cols])
     return base, ungated
 
 
@@ -108,17 +114,20 @@ class _GatedAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         q, kr, vr, gate, keep, out, lse, allowed, prompt = ctx.saved_tensors
-        b, h, n, _ = q.shape
+        b, h, nq, _ = q.shape
+        n = kr.shape[2]
+        offset = n - nq  # the queries are the last nq positions
         scaling = ctx.scaling
         do = grad_out.float()
         delta = (do * out).sum(-1, keepdim=True)  # D_j = dO_j . o_j
         dq, dk, dv = torch.zeros_like(q), torch.zeros_like(kr), torch.zeros_like(vr)
         dgate = torch.zeros(b, h, n, dtype=torch.float32, device=q.device)
         step = _rows_per_chunk(h, n, ctx.chunk)
-        for start in range(0, n, step):
-            rows = slice(start, min(start + step, n))
-            base, ungated = _chunk_masks(allowed, rows, n, ctx.recent, q.device, prompt)
-            cols = slice(0, rows.stop)  # keys after the last row of the chunk are never seen
+        for start in range(0, nq, step):
+            rows = slice(start, min(start + step, nq))
+            base, ungated = _chunk_masks(allowed, rows, offset, ctx.recent, q.device, prompt)
+            # keys after the last row of the chunk are never seen
+            cols = slice(0, offset + rows.stop)
             s = torch.matmul(q[:, :, rows], kr[:, :, cols].transpose(-1, -2)).mul_(scaling)
             # P~ for every key the base mask allows, kept or evicted (exponent clamped); a
             # visible key has s <= lse, so the clamp never touches the true probabilities
@@ -145,16 +154,20 @@ def gated_attention(q: Tensor, k: Tensor, v: Tensor, gate: Tensor, allowed: Tens
                     chunk: int | None = None, prompt: Tensor | None = None) -> Tensor:
     """Attention where evicted keys (gate 0) are hidden from every later query.
 
-    q [B, H, n, d]; k, v [B, H_kv, n, d]; gate [B, H_kv, n] (one flag per KV head, broadcast to
-    its query heads) or [B, H, n] (per query head), forward values exactly 0/1 (a straight-
-    through value carries its gradient); allowed [B, 1|H, n, n] bool base mask (True = may
-    attend; causal/padding/window) or None for plain causal; recent: keys within the last
-    ``recent`` positions of each query bypass the gate (the diagonal always does); prompt
-    [B, n] bool or None: one-shot use (module docstring), the gate only hides prompt keys from
-    the rows after the prompt.
-    Returns [B, H, n, d] in q's dtype. Softmax and accumulation run in fp32.
+    q [B, H, n_q, d] (the last n_q positions; n_q = n unless a prefix is already encoded);
+    k, v [B, H_kv, n, d]; gate [B, H_kv, n] (one flag per KV head, broadcast to its query
+    heads) or [B, H, n] (per query head), forward values exactly 0/1 (a straight-through value
+    carries its gradient); allowed [B, 1|H, n_q, n] bool base mask (True = may attend;
+    causal/padding/window) or None for plain causal; recent: keys within the last ``recent``
+    positions of each query bypass the gate (the diagonal always does); prompt [B, n] bool or
+    None: one-shot use (module docstring), the gate only hides prompt keys from the rows after
+    the prompt.
+    Returns [B, H, n_q, d] in q's dtype. Softmax and accumulation run in fp32.
     """
-    b, h, n, d = q.shape
+    b, h, nq, d = q.shape
+    n = k.shape[2]
+    if nq > n:
+        raise ValueError(f"{nq} queries over {n} keys: queries must be the last rows of the keys")
     if k.shape[1] == 0 or h % k.shape[1]:
         raise ValueError(f"query heads {h} not a multiple of kv heads {k.shape[1]}")
     if gate.shape not in ((b, k.shape[1], n), (b, h, n)):
@@ -164,8 +177,8 @@ def gated_attention(q: Tensor, k: Tensor, v: Tensor, gate: Tensor, allowed: Tens
         if allowed.dtype != torch.bool:
             allowed = allowed > -1e4  # additive float mask -> bool
         if allowed.shape[1] != 1:
-            raise ValueError("per-head base masks are not supported; pass [B, 1, n, n]")
-        allowed = allowed[..., -n:].expand(b, 1, n, n)
+            raise ValueError("per-head base masks are not supported; pass [B, 1, n_q, n]")
+        allowed = allowed[..., -nq:, -n:].expand(b, 1, nq, n)
     scaling = 1.0 / math.sqrt(d) if scaling is None else float(scaling)
     g = h // k.shape[1]
     kr = k.repeat_interleave(g, 1).float()
@@ -173,8 +186,8 @@ def gated_attention(q: Tensor, k: Tensor, v: Tensor, gate: Tensor, allowed: Tens
     if prompt is not None and tuple(prompt.shape) != (b, n):
         raise ValueError(f"prompt shape {tuple(prompt.shape)} must be [B, n] = [{b}, {n}]")
     keep = _keep_per_query_head(gate, h)
-    base, ungated = _chunk_masks(allowed, slice(0, n), n, recent, q.device, prompt)
-    vis = base & (ungated | keep)  # [B, H, n, n]
+    base, ungated = _chunk_masks(allowed, slice(0, nq), n - nq, recent, q.device, prompt)
+    vis = base & (ungated | keep)  # [B, H, n_q, n]
     bias = torch.where(vis, 0.0, -math.inf)
     del vis
     qf = q.float()
@@ -201,7 +214,7 @@ def gated_attention_reference(q: Tensor, k: Tensor, v: Tensor, gate: Tensor,
     vv = v.repeat_interleave(h // hk, 1).float()
     gq = gate.repeat_interleave(h // hk, 1) if gate.shape[1] == hk else gate
     base, ungated = _chunk_masks(None if allowed is None else allowed.expand(b, 1, n, n),
-                                 slice(0, n), n, recent, q.device, prompt)
+                                 slice(0, n), 0, recent, q.device, prompt)
     s = torch.matmul(q.float(), kk.transpose(-1, -2)) * scaling
     gm = torch.where(ungated, torch.ones_like(s), gq.float()[:, :, None, :].expand_as(s))
     gm = gm * base

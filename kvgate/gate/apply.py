@@ -45,15 +45,19 @@ def gate_attend_mask(valid: Tensor, prompt: Tensor | None, mode: str) -> Tensor 
 
 
 def compute_gate(module: nn.Module, hidden: Tensor, position_embeddings, valid: Tensor,
-                 prompt: Tensor | None = None, tau: float | None = None) -> GateRecord:
+                 prompt: Tensor | None = None, tau: float | None = None,
+                 previous_hidden: Tensor | None = None) -> GateRecord:
     """Straight-through keep flags of one layer: [B, H_gate, n], with sinks, padding and
     (in prompt_bidirectional mode or with a full prefill) non-prompt tokens forced to 1.
-    ``tau`` overrides the gate's keep threshold."""
+    ``tau`` overrides the gate's keep threshold; ``previous_hidden`` is the previous layer's
+    input for a ``previous_layer`` gate when it is not this forward's (a stored prompt)."""
     gate_mod = module.kv_gate
     cfg = gate_mod.config
     b, n = valid.shape
     if cfg.previous_layer and gate_mod.previous is not None:
-        prev_hidden = context(gate_mod.previous).get("hidden")
+        prev_hidden = previous_hidden
+        if prev_hidden is None:
+            prev_hidden = context(gate_mod.previous).get("hidden")
         if prev_hidden is not None and prev_hidden.shape[:2] == hidden.shape[:2]:
             hidden = prev_hidden
     counted = valid.clone()
@@ -82,6 +86,11 @@ def gated_layer_attention(module: nn.Module, query: Tensor, key: Tensor, value: 
                           attention_mask: Tensor | None, scaling: float | None = None,
                           ctx: dict | None = None, **_: object):
     """Gated attention for one layer; returns (output [B, n, H, d], None) like transformers'."""
+    slot = module.kv_gate.__dict__.get("prefix")
+    if slot is not None:  # one-shot training's two passes (kvgate.gate.prefix)
+        from kvgate.gate.prefix import prefix_attention
+
+        return prefix_attention(module, slot, query, key, value, scaling, ctx or {})
     b, _, n, _ = query.shape
     if key.shape[2] != n:
         # A plain cache holding earlier tokens: the gate defines eviction at prefill only, and a

@@ -64,6 +64,7 @@ def patch(model: nn.Module, config: GateConfig | None = None) -> nn.Module:
         gate.__dict__["previous"] = previous  # not a submodule: no duplicate parameters
         gate.__dict__["prompt_mask"] = None
         gate.__dict__["last"] = None
+        gate.__dict__["prefix"] = None  # a PrefixSlot while one-shot training's passes run
         previous = module
     return model
 

@@ -70,7 +70,8 @@ def kvgate_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
         return cache.attend(module, query, key, value, attention_mask, scaling=scaling,
                             hidden=ctx.get("hidden"), **kwargs)
     gate = getattr(module, "kv_gate", None)
-    if gate is not None and gate.active:
+    # a stored prompt (one-shot training's two passes) is read also with the gates open
+    if gate is not None and (gate.active or gate.__dict__.get("prefix") is not None):
         from kvgate.gate.apply import gated_layer_attention
 
         return gated_layer_attention(module, query, key, value, attention_mask,

@@ -202,6 +202,7 @@ class KVGateModule(L.LightningModule):
         gradient_checkpointing: bool = False,
         image_every_n_steps: int = 100,
         init_from: str | None = None,
+        split_prompt: bool = True,
     ) -> None:
         """
         Args:
@@ -220,6 +221,10 @@ class KVGateModule(L.LightningModule):
                 when this run trains LoRA) start this run: more CPT on a gate, or SFT from a
                 CPT gate. Its base must be this run's base; the gate settings that do not shape
                 weights (tau, mode, sinks, recent, ...) come from this run's ``gate``.
+            split_prompt: one-shot gates (``gate.prefill: full``) trained alone encode the
+                prompt once without autograd and backpropagate through the continuation only:
+                the same loss and gradients, less compute (``kvgate.gate.prefix``). False runs
+                every block whole (for comparisons).
         """
         super().__init__()
         if train not in ("gates", "gates_lora", "lora"):
@@ -245,6 +250,7 @@ class KVGateModule(L.LightningModule):
         self.gradient_checkpointing = gradient_checkpointing
         self.image_every_n_steps = image_every_n_steps
         self.init_from = None if init_from is None else str(init_from)
+        self.split_prompt = bool(split_prompt)
         # plain values only, so the checkpoint loads with torch.load(weights_only=True)
         self.save_hyperparameters({
             "base_model": base_model, "train": train, "gate": self.gate_cfg.to_dict(),
@@ -252,6 +258,7 @@ class KVGateModule(L.LightningModule):
             "recipe": asdict(self.recipe_cfg), "dtype": dtype,
             "quantize": quantize, "gradient_checkpointing": gradient_checkpointing,
             "image_every_n_steps": image_every_n_steps, "init_from": self.init_from,
+            "split_prompt": self.split_prompt,
         })
         # the frozen base is not in the Lightning checkpoint, so loading is never strict
         self.strict_loading = False
@@ -395,6 +402,76 @@ class KVGateModule(L.LightningModule):
         self.log("train/warmstart_balanced_acc", stats["balanced_accuracy"], batch_size=bsz)
         return loss
 
+    def prompt_split(self, batch: dict[str, Tensor]) -> int | None:
+        """The prompt length when this batch trains in two passes (``kvgate.gate.prefix``):
+        a one-shot gate trained alone, on a batch of one shared prompt length, unpadded.
+        Anything trainable acting on the prompt (LoRA), layers recomputed in backward, or a
+        sliding window shorter than the block keep the whole-block forward."""
+        if not (self.split_prompt and self.gated and not self.uses_lora
+                and self.gate_cfg.prefill == "full" and not self.gradient_checkpointing):
+            return None
+        from kvgate.gate.prefix import split_point
+
+        ids = batch["input_ids"]
+        window = getattr(self.model.config, "sliding_window", None)
+        if window is not None and window < ids.shape[1]:
+            return None
+        return split_point(ids, batch.get("attention_mask"), batch.get("prompt_mask"),
+                           batch.get("labels"))
+
+    def objective(self, batch: dict[str, Tensor]) -> tuple[Tensor, dict[str, Tensor]]:
+        """The training loss of one batch and its terms: ``lm``, ``distill`` (when
+        distilling), and with gates ``evict`` and the retention ``stats``."""
+        r = self.recipe_cfg
+        split = self.prompt_split(batch)
+        if split is None:
+            logits = self(batch["input_ids"], batch["attention_mask"], batch.get("prompt_mask"))
+            labels = batch["labels"]
+            teacher = None
+            if self.gated and r.distill_weight:
+                from kvgate.recipes import teacher_logits
+
+                teacher = teacher_logits(self.model, input_ids=batch["input_ids"],
+                                         attention_mask=batch["attention_mask"], use_cache=False)
+        else:
+            logits, teacher, labels = self._two_pass_logits(batch, split)
+        lm, _ = causal_lm_loss(logits, labels)
+        terms = {"lm": lm}
+        loss = r.lm_weight * lm
+        if teacher is not None:
+            from kvgate.recipes import distillation_loss
+
+            predicted = labels[:, 1:] != -100  # positions whose next token is scored
+            kd = distillation_loss(logits[:, :-1], teacher[:, :-1], predicted,
+                                   r.distill_temperature)
+            loss = loss + r.distill_weight * kd
+            terms["distill"] = kd
+        if self.gated:
+            ev, stats = self.gate_terms(batch)
+            loss = loss + ev
+            terms |= {"evict": ev, "stats": stats}
+        return loss, terms
+
+    def _two_pass_logits(self, batch: dict[str, Tensor], p: int):
+        """Logits (and the teacher's, when distilling) from position p - 1 on, and the labels
+        aligned with them: the prompt encoded once without autograd, then the continuation."""
+        from kvgate.gate.patch import gates_open
+        from kvgate.gate.prefix import continuation_positions, encoded_prompt
+
+        ids = batch["input_ids"]
+        rest = ids[:, p:]
+        pos = continuation_positions(p, rest)
+        teacher = None
+        with encoded_prompt(self.model, ids[:, :p]) as last:
+            cont = self.model(input_ids=rest, position_ids=pos, use_cache=False).logits
+            if self.recipe_cfg.distill_weight:
+                with torch.no_grad(), gates_open(self.model):
+                    t_cont = self.model(input_ids=rest, position_ids=pos, use_cache=False).logits
+                teacher = torch.cat([last, t_cont], 1)
+        # the last prompt position predicts the first continuation token; the prompt's
+        # positions do not depend on the gates, so its logits carry no gradient
+        return torch.cat([last.to(cont.dtype), cont], 1), teacher, batch["labels"][:, p - 1:]
+
     def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
         r = self.recipe_cfg
         if self.gated and self.global_step < r.warmstart_steps:
@@ -404,24 +481,13 @@ class KVGateModule(L.LightningModule):
             raise TrainingConfigError(
                 "model.gate.prefill: 'full' trains on prompt + continuation blocks; set "
                 "data.init_args.continuation > 0 (CPT) or train on a task (SFT)")
-        logits = self(batch["input_ids"], batch["attention_mask"], batch.get("prompt_mask"))
-        lm, _ = causal_lm_loss(logits, batch["labels"])
-        loss = r.lm_weight * lm
+        loss, terms = self.objective(batch)
         bsz = batch["input_ids"].shape[0]
-        self.log("train/lm_loss", lm, prog_bar=True, batch_size=bsz)
-        if self.gated and r.distill_weight:
-            from kvgate.recipes import distillation_loss, teacher_logits
-
-            teacher = teacher_logits(self.model, input_ids=batch["input_ids"],
-                                     attention_mask=batch["attention_mask"], use_cache=False)
-            predicted = batch["labels"][:, 1:] != -100  # positions whose next token is scored
-            kd = distillation_loss(logits[:, :-1], teacher[:, :-1], predicted,
-                                   r.distill_temperature)
-            loss = loss + r.distill_weight * kd
-            self.log("train/distill_kl", kd, prog_bar=True, batch_size=bsz)
+        self.log("train/lm_loss", terms["lm"], prog_bar=True, batch_size=bsz)
+        if "distill" in terms:
+            self.log("train/distill_kl", terms["distill"], prog_bar=True, batch_size=bsz)
         if self.gated:
-            ev, stats = self.gate_terms(batch)
-            loss = loss + ev
+            ev, stats = terms["evict"], terms["stats"]
             self.log("train/beta", self.current_beta(), batch_size=bsz)
             self.last_stats = {k: v.detach() for k, v in stats.items()}
             self.log("train/evict_loss", ev, batch_size=bsz)

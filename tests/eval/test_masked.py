@@ -147,13 +147,15 @@ def test_learned_gate_masked_equals_training_forward(tiny_llama):
     assert masked[0].evict > 0
 
 
-@pytest.mark.parametrize("recent", [0, 2])
-def test_full_prefill_gate_masked_equals_training_forward(tiny_llama, recent):
+@pytest.mark.parametrize("recent,mode", [(0, "causal"), (2, "causal"),
+                                         (2, "prompt_bidirectional")])
+def test_full_prefill_gate_masked_equals_training_forward(tiny_llama, recent, mode):
     """A gate trained one-shot (``GateConfig.prefill="full"``) is run one-shot by default, and
     masked-mode scoring of context + one choice is exactly its training forward with the context
-    as the prompt: what it trains on is what it is measured on."""
+    as the prompt: what it trains on is what it is measured on (also when the gate reads the
+    whole prompt before flagging)."""
     torch.manual_seed(5)
-    patch(tiny_llama, GateConfig(gamma=0.0, prefill="full", recent=recent))
+    patch(tiny_llama, GateConfig(gamma=0.0, prefill="full", recent=recent, mode=mode))
     item = random_items(1, seed=9, choices=1, lo=12, hi=13)[0]
     policy = get_policy("attention_gate")
     masked, _ = masked_scores(tiny_llama, [item], policy, [HALF])

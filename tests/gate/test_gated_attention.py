@@ -178,3 +178,39 @@ def test_bench_stand_in_takes_every_argument_of_the_kernel():
     torch.testing.assert_close(bench.materialised(q, k, v, gate, recent=2, prompt=prompt),
                                gated_attention(q, k, v, gate, recent=2, prompt=prompt),
                                atol=1e-6, rtol=1e-5)  # both fp32 inside
+
+
+@pytest.mark.parametrize("one_shot", [False, True])
+def test_queries_over_a_longer_prefix_are_the_last_rows_of_the_full_problem(one_shot):
+    """q shorter than k (a continuation over an encoded prefix): output and every gradient are
+    those of the same rows in the square problem, with chunks not aligned to the prefix."""
+    q, k, v = _qkv(n=23)
+    b, h, n, _ = q.shape
+    tail = 9
+    gate = (torch.rand(b, k.shape[1], n, generator=torch.Generator().manual_seed(2)) > 0.5)
+    gate = gate.double().requires_grad_(True)
+    prompt = None
+    if one_shot:
+        prompt = torch.zeros(b, n, dtype=torch.bool)
+        prompt[:, : n - tail] = True
+    grad = torch.randn(b, h, tail, q.shape[-1], dtype=q.dtype,
+                       generator=torch.Generator().manual_seed(3))
+
+    def run(rows_from: int):
+        qs = q.detach()[:, :, rows_from:].clone().requires_grad_(True)
+        ks, vs = k.detach().clone().requires_grad_(True), v.detach().clone().requires_grad_(True)
+        gs = gate.detach().clone().requires_grad_(True)
+        out = gated_attention(qs, ks, vs, gs, recent=2, chunk=4, prompt=prompt)
+        out[:, :, -tail:].backward(grad)
+        return out[:, :, -tail:], qs.grad[:, :, -tail:], ks.grad, vs.grad, gs.grad
+
+    rect, square = run(n - tail), run(0)
+    for got, want in zip(rect, square):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)  # fp32 inside
+    assert square[4].abs().sum() > 0  # the gate really receives a gradient
+
+
+def test_more_queries_than_keys_is_refused():
+    q, k, v = _qkv(n=6)
+    with pytest.raises(ValueError, match="last rows"):
+        gated_attention(torch.cat([q, q], 2), k, v, torch.ones(2, 2, 6, dtype=q.dtype))
