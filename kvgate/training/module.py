@@ -455,8 +455,8 @@ class KVGateModule(L.LightningModule):
     def _two_pass_logits(self, batch: dict[str, Tensor], p: int):
         """Logits (and the teacher's, when distilling) from position p - 1 on, and the labels
         aligned with them: the prompt encoded once without autograd, then the continuation."""
-        from kvgate.gate.patch import gates_open
         from kvgate.gate.prefix import continuation_positions, encoded_prompt
+        from kvgate.recipes import teacher_logits
 
         ids = batch["input_ids"]
         rest = ids[:, p:]
@@ -464,9 +464,9 @@ class KVGateModule(L.LightningModule):
         teacher = None
         with encoded_prompt(self.model, ids[:, :p]) as last:
             cont = self.model(input_ids=rest, position_ids=pos, use_cache=False).logits
-            if self.recipe_cfg.distill_weight:
-                with torch.no_grad(), gates_open(self.model):
-                    t_cont = self.model(input_ids=rest, position_ids=pos, use_cache=False).logits
+            if self.recipe_cfg.distill_weight:  # reads the same stored prompt, gates open
+                t_cont = teacher_logits(self.model, input_ids=rest, position_ids=pos,
+                                        use_cache=False)
                 teacher = torch.cat([last, t_cont], 1)
         # the last prompt position predicts the first continuation token; the prompt's
         # positions do not depend on the gates, so its logits carry no gradient
