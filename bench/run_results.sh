@@ -104,5 +104,17 @@ PY
     python -m kvgate.eval needle --checkpoint $g --lengths 4096 --depths 0,50,100 --samples 1 \
       --policies attention_gate,h2o,streaming --budgets 0.4 --scoring rank --no-progress \
       --out results/needle_gate ;;
-  *) echo "usage: $0 base|cpt|sft|gate CKPT OUT|sfteval|ppl CKPT OUT BUDGETS|ablation|pplctx CTX CONT WINDOWS OUT GATE...|needle" >&2; exit 2 ;;
+  mcshort) # a one-shot gate sized for the short MC contexts, then the 7 tasks at ~42% eviction
+    python train.py --config cpt_recipe --config configs/ablation/mc_short.yaml
+    ck=runs/abl_mc_short/gated; out=results/mc_short_050
+    mc=(--checkpoint $ck --tasks $TASKS7 --no-progress)
+    python -m kvgate.eval mc "${mc[@]}" --limit 100 --policies attention_gate,full --mode masked --out $out
+    python -m kvgate.eval matched "${mc[@]}" --limit 100 --policies streaming,h2o,tova,snapkv \
+      --mode masked --out $out
+    python -m kvgate.eval matched "${mc[@]}" --limit 100 --policies roco --mode cache --out $out
+    # the gate and the three strongest heuristics on 100 more examples per task (COPA has 100)
+    python -m kvgate.eval matched "${mc[@]}" --limit 200 --policies h2o,tova --mode masked --out $out
+    python -m kvgate.eval matched "${mc[@]}" --limit 200 --policies roco --mode cache --out $out
+    python bench/summarize_mc.py $out --paired attention_gate ;;
+  *) echo "usage: $0 base|cpt|sft|gate CKPT OUT|sfteval|ppl CKPT OUT BUDGETS|ablation|pplctx CTX CONT WINDOWS OUT GATE...|needle|mcshort" >&2; exit 2 ;;
 esac

@@ -13,6 +13,7 @@ It is a correctness tool, not a fast path: on the CPU it is slower than plain tr
 
 from __future__ import annotations
 
+import importlib
 import os
 
 import torch
@@ -68,7 +69,23 @@ class CPUDeepSpeedStrategy(DeepSpeedStrategy):
         # DeepSpeedStrategy checks CUDA device indices here; CPU devices have none
         reset_seed()
         self.set_world_ranks()
+        _skip_shm_comm_build()
         self._init_deepspeed_distributed()
+
+
+def _skip_shm_comm_build() -> None:
+    """Keep DeepSpeed's CPU backend from compiling its shared-memory all-reduce op.
+
+    On the CPU accelerator DeepSpeed JIT-builds ``deepspeed_shm_comm`` with g++ and ninja when
+    its comm backend starts. That needs a compiler, takes minutes on a small machine, and waits
+    forever on the lock a killed build leaves in ``TORCH_EXTENSIONS_DIR``; a CI run hung there.
+    The op only speeds up intra-node reductions, which gloo does correctly without it, and
+    this strategy exists to check correctness.
+    """
+    # by module path: the ``deepspeed.comm`` package re-exports the real ``torch`` under that name
+    ds_torch_comm = importlib.import_module("deepspeed.comm.torch")
+    if hasattr(ds_torch_comm, "build_shm_op"):
+        ds_torch_comm.build_shm_op = lambda: None
 
 
 if "deepspeed_cpu" not in StrategyRegistry:
