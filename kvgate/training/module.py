@@ -318,7 +318,9 @@ class KVGateModule(L.LightningModule):
         # load_base returns eval mode; gradient checkpointing and LoRA dropout need train mode
         model.train()
         self.model = model
-        self.tokenizer = tokenizer
+        # a tokenizer read earlier (loaders built first) already tokenised the data: keep it
+        if self.tokenizer is None:
+            self.tokenizer = tokenizer
 
     def get_tokenizer(self):
         """The base's tokenizer; read alone when the model is not built yet (Lightning's

@@ -331,6 +331,8 @@ def test_loaders_before_the_model_is_built_read_only_the_tokenizer(base_dir, tmp
     batch = next(iter(data.train_dataloader()))
     assert module.model is None and batch["input_ids"].shape == (2, 16)
     reference = SyntheticCPT(n_docs=20, seq_len=16, batch_size=2, val_fraction=0.0)
+    read_first = module.tokenizer
     module.configure_model()
+    assert module.tokenizer is read_first  # the one the data used, not a second copy
     reference.tokenizer = module.tokenizer
     torch.testing.assert_close(data.train_dataset()[0], reference.train_dataset()[0])
