@@ -115,6 +115,17 @@ PY
     # the gate and the three strongest heuristics on 100 more examples per task (COPA has 100)
     python -m kvgate.eval matched "${mc[@]}" --limit 200 --policies h2o,tova --mode masked --out $out
     python -m kvgate.eval matched "${mc[@]}" --limit 200 --policies roco --mode cache --out $out
-    python bench/summarize_mc.py $out --paired attention_gate ;;
-  *) echo "usage: $0 base|cpt|sft|gate CKPT OUT|sfteval|ppl CKPT OUT BUDGETS|ablation|pplctx CTX CONT WINDOWS OUT GATE...|needle|mcshort" >&2; exit 2 ;;
+    # the full cache on all 1,300: a gates-only checkpoint with its gates open is the base
+    python -m kvgate.eval mc --model smollm2-135m --tasks $TASKS7 --limit 200 --policies full \
+      --mode masked --no-progress --out results/mc_short_full
+    python bench/summarize_mc.py $out results/mc_short_full --paired attention_gate
+    python bench/summarize_mc.py $out results/mc_short_full --paired full ;;
+  headroom) # how far the best heuristics sit below the full cache on the 7 tasks (base model)
+    mc=(--model smollm2-135m --tasks $TASKS7 --limit 200 --budgets 0.5,0.3 --no-progress)
+    python -m kvgate.eval mc "${mc[@]}" --policies h2o --mode masked --out results/mc_headroom_a
+    python -m kvgate.eval mc "${mc[@]}" --policies tova --mode masked --out results/mc_headroom_b
+    python -m kvgate.eval mc "${mc[@]}" --policies roco --mode cache --out results/mc_headroom_b
+    python bench/summarize_mc.py results/mc_headroom_a results/mc_headroom_b \
+      results/mc_short_full --paired full --any-mode ;;
+  *) echo "usage: $0 base|cpt|sft|gate CKPT OUT|sfteval|ppl CKPT OUT BUDGETS|ablation|pplctx CTX CONT WINDOWS OUT GATE...|needle|mcshort|headroom" >&2; exit 2 ;;
 esac

@@ -6,7 +6,9 @@
 Prints a markdown table: policy, budget, tasks, examples, mean acc, mean acc_norm, mean %Evict
 (task-level means, each task weighted equally, as the papers' averages are).
 ``--paired NAME`` adds, per policy, the accuracy gap NAME - policy over the examples both
-scored (same mode), with a 95% interval of that task-weighted mean difference.
+scored (same mode), with a 95% interval of that task-weighted mean difference. ``--any-mode``
+pairs across modes where NAME ran in one mode only (the full cache scores the same in masked
+and cache mode).
 """
 
 from __future__ import annotations
@@ -54,6 +56,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("dirs", nargs="+")
     ap.add_argument("--paired", default=None, help="policy to pair every other policy with")
+    ap.add_argument("--any-mode", action="store_true",
+                    help="pair with NAME's records of another mode where its mode has none")
     args = ap.parse_args()
     groups: dict[tuple, list[dict]] = defaultdict(list)
     for d in args.dirs:
@@ -75,6 +79,8 @@ def main() -> None:
         cell = ""
         if args.paired:
             ref = paired.get(key[4])
+            if ref is None and args.any_mode and paired:
+                ref = next(iter(paired.values()))
             if ref is None or key[2] == args.paired:
                 cell = " |"
             else:

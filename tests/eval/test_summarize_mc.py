@@ -1,0 +1,46 @@
+"""bench/summarize_mc.py: paired accuracy gaps over shared examples, and pairing across modes."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def record(policy: str, mode: str, hits: list[int], task: str = "rte") -> dict:
+    # choice 0 is gold; a hit puts the higher log-likelihood on it
+    examples = {f"{task}:{i}": {"task": task, "gold": 0, "ll": [0.0, -1.0] if h else [-1.0, 0.0]}
+                for i, h in enumerate(hits)}
+    acc = 100 * sum(hits) / len(hits)
+    return {"kind": "mc", "task": task, "policy": policy, "budget": "none", "mode": mode,
+            "n": len(hits), "acc": acc, "acc_norm": acc, "evict_pct": 0.0, "complete": True,
+            "examples": examples}
+
+
+def summarize(tmp_path: Path, *extra: str) -> dict[str, str]:
+    recs = {"full": record("full", "masked", [1, 1, 1, 1]),
+            "h2o": record("h2o", "masked", [1, 0, 1, 1]),
+            "roco": record("roco", "cache", [1, 0, 0, 1])}
+    out = tmp_path / "r"
+    out.mkdir()
+    (out / "results.json").write_text(json.dumps({"meta": {}, "results": recs}))
+    text = subprocess.run([sys.executable, str(ROOT / "bench" / "summarize_mc.py"), str(out),
+                           "--paired", "full", *extra],
+                          check=True, capture_output=True, text=True).stdout
+    rows = [line.split("|") for line in text.splitlines()[2:]]
+    return {cells[3].strip(): cells[-2].strip() for cells in rows}
+
+
+def test_gap_is_reference_minus_policy_on_shared_examples(tmp_path):
+    gaps = summarize(tmp_path)
+    assert gaps["h2o"].startswith("+25.00") and gaps["h2o"].endswith("(n=4)")
+    assert gaps["roco"] == ""  # the full cache ran in masked mode only
+
+
+def test_any_mode_pairs_with_the_reference_of_the_other_mode(tmp_path):
+    gaps = summarize(tmp_path, "--any-mode")
+    assert gaps["roco"].startswith("+50.00") and gaps["roco"].endswith("(n=4)")
+    assert gaps["h2o"].startswith("+25.00")
