@@ -119,13 +119,16 @@ PY
     python -m kvgate.eval mc --model smollm2-135m --tasks $TASKS7 --limit 200 --policies full \
       --mode masked --no-progress --out results/mc_short_full
     python bench/summarize_mc.py $out results/mc_short_full --paired attention_gate
-    python bench/summarize_mc.py $out results/mc_short_full --paired full ;;
+    python bench/summarize_mc.py $out results/mc_short_full --paired full --any-mode ;;
   headroom) # how far the best heuristics sit below the full cache on the 7 tasks (base model)
     mc=(--model smollm2-135m --tasks $TASKS7 --limit 200 --budgets 0.5,0.3 --no-progress)
     python -m kvgate.eval mc "${mc[@]}" --policies h2o --mode masked --out results/mc_headroom_a
     python -m kvgate.eval mc "${mc[@]}" --policies tova --mode masked --out results/mc_headroom_b
-    python -m kvgate.eval mc "${mc[@]}" --policies roco --mode cache --out results/mc_headroom_b
+    # RoCo streams its cache block by block: its two budgets in two folders, run side by side
+    mc=(--model smollm2-135m --tasks $TASKS7 --limit 200 --no-progress --policies roco --mode cache)
+    python -m kvgate.eval mc "${mc[@]}" --budgets 0.5 --out results/mc_headroom_b
+    python -m kvgate.eval mc "${mc[@]}" --budgets 0.3 --out results/mc_headroom_c
     python bench/summarize_mc.py results/mc_headroom_a results/mc_headroom_b \
-      results/mc_short_full --paired full --any-mode ;;
+      results/mc_headroom_c results/mc_short_full --paired full --any-mode ;;
   *) echo "usage: $0 base|cpt|sft|gate CKPT OUT|sfteval|ppl CKPT OUT BUDGETS|ablation|pplctx CTX CONT WINDOWS OUT GATE...|needle|mcshort|headroom" >&2; exit 2 ;;
 esac
