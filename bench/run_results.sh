@@ -124,7 +124,8 @@ PY
     mc=(--model smollm2-135m --tasks $TASKS7 --limit 200 --budgets 0.5,0.3 --no-progress)
     python -m kvgate.eval mc "${mc[@]}" --policies h2o --mode masked --out results/mc_headroom_a
     python -m kvgate.eval mc "${mc[@]}" --policies tova --mode masked --out results/mc_headroom_b
-    # RoCo streams its cache block by block: its two budgets in two folders, run side by side
+    # RoCo streams its cache block by block (slow): one folder per budget, so the two can run
+    # side by side
     mc=(--model smollm2-135m --tasks $TASKS7 --limit 200 --no-progress --policies roco --mode cache)
     python -m kvgate.eval mc "${mc[@]}" --budgets 0.5 --out results/mc_headroom_b
     python -m kvgate.eval mc "${mc[@]}" --budgets 0.3 --out results/mc_headroom_c

@@ -77,8 +77,8 @@ def _skip_shm_comm_build() -> None:
     """Keep DeepSpeed's CPU backend from compiling its shared-memory all-reduce op.
 
     On the CPU accelerator DeepSpeed JIT-builds ``deepspeed_shm_comm`` with g++ and ninja when
-    its comm backend starts. That needs a compiler, takes minutes on a small machine, and waits
-    forever on the lock a killed build leaves in ``TORCH_EXTENSIONS_DIR``; a CI run hung there.
+    its comm backend starts. That needs a compiler, took about a minute here, and waits forever
+    on the lock a killed build leaves in ``TORCH_EXTENSIONS_DIR``; a CI run timed out there.
     The op only speeds up intra-node reductions, which gloo does correctly without it, and
     this strategy exists to check correctness.
     """

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
-import subprocess
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
+_spec = importlib.util.spec_from_file_location("summarize_mc", ROOT / "bench" / "summarize_mc.py")
+summarize_mc = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(summarize_mc)
 
 
 def record(policy: str, mode: str, hits: list[int], task: str = "rte") -> dict:
@@ -20,27 +23,27 @@ def record(policy: str, mode: str, hits: list[int], task: str = "rte") -> dict:
             "examples": examples}
 
 
-def summarize(tmp_path: Path, *extra: str) -> dict[str, str]:
+def summarize(tmp_path: Path, monkeypatch, capsys, *extra: str) -> dict[str, str]:
     recs = {"full": record("full", "masked", [1, 1, 1, 1]),
             "h2o": record("h2o", "masked", [1, 0, 1, 1]),
             "roco": record("roco", "cache", [1, 0, 0, 1])}
     out = tmp_path / "r"
     out.mkdir()
     (out / "results.json").write_text(json.dumps({"meta": {}, "results": recs}))
-    text = subprocess.run([sys.executable, str(ROOT / "bench" / "summarize_mc.py"), str(out),
-                           "--paired", "full", *extra],
-                          check=True, capture_output=True, text=True).stdout
+    monkeypatch.setattr(sys, "argv", ["summarize_mc.py", str(out), "--paired", "full", *extra])
+    summarize_mc.main()
+    text = capsys.readouterr().out
     rows = [line.split("|") for line in text.splitlines()[2:]]
     return {cells[3].strip(): cells[-2].strip() for cells in rows}
 
 
-def test_gap_is_reference_minus_policy_on_shared_examples(tmp_path):
-    gaps = summarize(tmp_path)
+def test_gap_is_reference_minus_policy_on_shared_examples(tmp_path, monkeypatch, capsys):
+    gaps = summarize(tmp_path, monkeypatch, capsys)
     assert gaps["h2o"].startswith("+25.00") and gaps["h2o"].endswith("(n=4)")
     assert gaps["roco"] == ""  # the full cache ran in masked mode only
 
 
-def test_any_mode_pairs_with_the_reference_of_the_other_mode(tmp_path):
-    gaps = summarize(tmp_path, "--any-mode")
+def test_any_mode_pairs_with_the_reference_of_the_other_mode(tmp_path, monkeypatch, capsys):
+    gaps = summarize(tmp_path, monkeypatch, capsys, "--any-mode")
     assert gaps["roco"].startswith("+50.00") and gaps["roco"].endswith("(n=4)")
     assert gaps["h2o"].startswith("+25.00")
