@@ -120,6 +120,17 @@ PY
       --mode masked --no-progress --out results/mc_short_full
     python bench/summarize_mc.py $out results/mc_short_full --paired attention_gate
     python bench/summarize_mc.py $out results/mc_short_full --paired full --any-mode ;;
+  mctasks) # abl_mc_short's gate trained on MC prompts of four other tasks (needs `cpt` first)
+    python train.py --config cpt_recipe --config configs/ablation/mc_tasks.yaml
+    ck=runs/abl_mc_tasks/gated; out=results/mc_tasks
+    mc=(--checkpoint $ck --tasks $TASKS7 --limit 200 --no-progress)
+    python -m kvgate.eval mc "${mc[@]}" --policies attention_gate --mode masked --out $out
+    python -m kvgate.eval matched "${mc[@]}" --policies h2o,tova --mode masked --out $out
+    # RoCo (cache mode, with the gate re-run in cache mode) in a folder of its own, so it can
+    # run beside the line above
+    python -m kvgate.eval matched "${mc[@]}" --policies roco --mode cache --out ${out}_b
+    python bench/summarize_mc.py $out ${out}_b results/mc_short_full --paired attention_gate
+    python bench/summarize_mc.py $out ${out}_b results/mc_short_full --paired full --any-mode ;;
   headroom) # how far the best heuristics sit below the full cache on the 7 tasks (base model)
     mc=(--model smollm2-135m --tasks $TASKS7 --limit 200 --budgets 0.5,0.3 --no-progress)
     python -m kvgate.eval mc "${mc[@]}" --policies h2o --mode masked --out results/mc_headroom_a
@@ -131,5 +142,5 @@ PY
     python -m kvgate.eval mc "${mc[@]}" --budgets 0.3 --out results/mc_headroom_c
     python bench/summarize_mc.py results/mc_headroom_a results/mc_headroom_b \
       results/mc_headroom_c results/mc_short_full --paired full --any-mode ;;
-  *) echo "usage: $0 base|cpt|sft|gate CKPT OUT|sfteval|ppl CKPT OUT BUDGETS|ablation|pplctx CTX CONT WINDOWS OUT GATE...|needle|mcshort|headroom" >&2; exit 2 ;;
+  *) echo "usage: $0 base|cpt|sft|gate CKPT OUT|sfteval|ppl CKPT OUT BUDGETS|ablation|pplctx CTX CONT WINDOWS OUT GATE...|needle|mcshort|mctasks|headroom" >&2; exit 2 ;;
 esac

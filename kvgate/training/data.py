@@ -1,4 +1,4 @@
-"""Lightning data modules: packed continual pre-training (CPT) and per-task SFT.
+"""Lightning data modules: packed continual pre-training (CPT) and SFT on one task or a mixture.
 
 Both produce the batch contract of ``kvgate.training.module``:
 ``input_ids`` [B, n] long, ``attention_mask`` [B, n] long, ``labels`` [B, n] long
@@ -31,7 +31,6 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from kvgate.training.errors import TrainingConfigError
 
-SFT_TASKS = ("piqa", "arc_challenge", "rte", "copa", "boolq", "openbookqa")
 CorpusSource = Literal["embedded", "files", "redpajama"]
 
 
@@ -168,6 +167,22 @@ def collate_blocks(rows: Sequence[Tensor], continuation: int = 0) -> dict[str, T
     prompt[:, : ids.shape[1] - continuation] = True
     # the token right after the prompt is predicted from it, so it is labelled too
     return batch | {"labels": ids.masked_fill(prompt, -100), "prompt_mask": prompt}
+
+
+def sft_tasks(task: str | Sequence[str]) -> tuple[str, ...]:
+    """``data.task`` as a tuple of known, distinct task names (one name or a mixture)."""
+    from kvgate.data import TASKS
+
+    names = (task,) if isinstance(task, str) else tuple(task)
+    if not names:
+        raise TrainingConfigError("data.task: give a task or a non-empty list of tasks")
+    unknown = [n for n in names if n not in TASKS]
+    if unknown:
+        raise TrainingConfigError(f"data.task: unknown task(s) {', '.join(map(repr, unknown))}; "
+                                  f"known: {', '.join(TASKS)}")
+    if len(set(names)) != len(names):
+        raise TrainingConfigError(f"data.task: a task is listed twice in {list(names)}")
+    return names
 
 
 # --------------------------------------------------------------------------- modules
@@ -381,26 +396,27 @@ class CPTDataModule(KVGateDataModule):
 
 
 class SFTDataModule(KVGateDataModule):
-    """Supervised fine-tuning on one multiple-choice task: prompt = context, answer = the gold
-    choice, loss on the answer tokens only; validation accuracy by option scoring."""
+    """Supervised fine-tuning on one multiple-choice task or a mixture: prompt = context, answer
+    = the gold choice, loss on the answer tokens only; validation accuracy by option scoring."""
 
-    def __init__(self, task: Literal["piqa", "arc_challenge", "rte", "copa", "boolq", "openbookqa"] = "rte",
+    def __init__(self, task: str | list[str] = "rte",
                  max_len: int = 256, limit_train: int | None = None, limit_val: int | None = None,
                  source: Literal["embedded", "hub"] = "embedded", test_fraction: float = 0.3,
                  split_seed: int = 0, batch_size: int = 4, val_batch_size: int | None = None,
                  seed: int = 0, num_workers: int = 0) -> None:
         """
         Args:
-            task: one of piqa, arc_challenge, rte, copa, boolq, openbookqa.
+            task: a multiple-choice task (``kvgate.data.TASKS``), or a list of them to train on
+                their mixture (train parts concatenated, then shuffled by the sampler; the
+                validation accuracy pools their test parts).
             max_len: longest prompt + answer in tokens (the prompt is cut from the left).
-            limit_train / limit_val: use at most this many examples (None = all).
+            limit_train / limit_val: use at most this many examples per task (None = all).
             source: ``embedded`` (the shipped validation split cut into train/test, see
                 ``kvgate.data.splits``) or ``hub`` (the real train/validation splits).
             test_fraction / split_seed: how the embedded split is cut (ignored for ``hub``).
         """
         super().__init__(batch_size, val_batch_size, seed, num_workers)
-        if task not in SFT_TASKS:
-            raise TrainingConfigError(f"data.task: must be one of {', '.join(SFT_TASKS)} (got {task!r})")
+        self.tasks = sft_tasks(task)
         if max_len < 2:
             raise TrainingConfigError(f"data.max_len: must be >= 2 (got {max_len!r})")
         for key, value in (("limit_train", limit_train), ("limit_val", limit_val)):
@@ -411,7 +427,6 @@ class SFTDataModule(KVGateDataModule):
         if not 0.0 < test_fraction < 1.0:
             raise TrainingConfigError(
                 f"data.test_fraction: must lie strictly in (0, 1) (got {test_fraction!r})")
-        self.task = task
         self.source = source
         self.test_fraction = test_fraction
         self.split_seed = split_seed
@@ -422,9 +437,12 @@ class SFTDataModule(KVGateDataModule):
     def examples(self, part: Literal["train", "test"], limit: int | None):
         from kvgate.data import load_sft_split
 
-        examples = load_sft_split(self.task, part=part, test_fraction=self.test_fraction,
-                                  seed=self.split_seed, source=self.source)
-        return examples[:limit] if limit else examples
+        examples = []
+        for task in self.tasks:
+            part_examples = load_sft_split(task, part=part, test_fraction=self.test_fraction,
+                                           seed=self.split_seed, source=self.source)
+            examples.extend(part_examples[:limit] if limit else part_examples)
+        return examples
 
     def build_train(self, tokenizer) -> Dataset:
         rows = [encode_prompt_answer(tokenizer, ex.context, ex.choices[ex.gold], self.max_len)

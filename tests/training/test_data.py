@@ -104,6 +104,23 @@ def test_sft_module_builds_train_and_option_batches(tok):
     assert val["gold"].shape == (4,) and val["input_ids"].shape[0] == 8
 
 
+def test_sft_mixture_takes_each_tasks_own_part_with_a_per_task_limit(tok):
+    from kvgate.data import load_sft_split
+
+    mix = SFTDataModule(task=["openbookqa", "winogrande"], limit_train=5, limit_val=3)
+    train, test = mix.examples("train", mix.limit_train), mix.examples("test", mix.limit_val)
+    # each task contributes its own first examples of the part, in order, up to the limit
+    for part, got, n in (("train", train, 5), ("test", test, 3)):
+        want = [e for t in ("openbookqa", "winogrande") for e in load_sft_split(t, part)[:n]]
+        assert [e.uid for e in got] == [e.uid for e in want]
+    assert not {e.uid for e in train} & {e.uid for e in test}
+    # validation pools both test parts: 3 four-choice OpenBookQA + 3 two-choice Winogrande
+    mix.tokenizer = tok
+    batches = list(mix.val_dataloader())
+    assert sum(b["gold"].shape[0] for b in batches) == 6
+    assert sum(b["input_ids"].shape[0] for b in batches) == 3 * 4 + 3 * 2
+
+
 def test_resumable_sampler_skips_exactly_the_consumed_part():
     data = list(range(23))
     full = ResumableSampler(data, seed=3)
@@ -146,8 +163,14 @@ def test_cpt_config_errors_name_the_key(kwargs, key):
 
 
 def test_sft_config_errors_name_the_key():
-    with pytest.raises(TrainingConfigError, match="data.task"):
-        SFTDataModule(task="hellaswag")
+    with pytest.raises(TrainingConfigError, match="data.task: unknown task.*'squad'"):
+        SFTDataModule(task="squad")
+    with pytest.raises(TrainingConfigError, match="data.task: unknown task.*'nope'"):
+        SFTDataModule(task=["piqa", "nope"])
+    with pytest.raises(TrainingConfigError, match="data.task: a task is listed twice"):
+        SFTDataModule(task=["piqa", "piqa"])
+    with pytest.raises(TrainingConfigError, match="data.task: give a task"):
+        SFTDataModule(task=[])
     with pytest.raises(TrainingConfigError, match="data.limit_train"):
         SFTDataModule(limit_train=0)
 
