@@ -22,6 +22,7 @@ from __future__ import annotations
 import random
 from collections.abc import Callable, Iterator, Sequence
 from functools import partial
+from itertools import zip_longest
 from typing import Any, Literal
 
 import lightning as L
@@ -408,7 +409,7 @@ class SFTDataModule(KVGateDataModule):
         Args:
             task: a multiple-choice task (``kvgate.data.TASKS``), or a list of them to train on
                 their mixture (train parts concatenated, then shuffled by the sampler; the
-                validation accuracy pools their test parts).
+                validation accuracy pools their test parts, interleaved task by task).
             max_len: longest prompt + answer in tokens (the prompt is cut from the left).
             limit_train / limit_val: use at most this many examples per task (None = all).
             source: ``embedded`` (the shipped validation split cut into train/test, see
@@ -437,12 +438,16 @@ class SFTDataModule(KVGateDataModule):
     def examples(self, part: Literal["train", "test"], limit: int | None):
         from kvgate.data import load_sft_split
 
-        examples = []
+        per_task = []
         for task in self.tasks:
             part_examples = load_sft_split(task, part=part, test_fraction=self.test_fraction,
                                            seed=self.split_seed, source=self.source)
-            examples.extend(part_examples[:limit] if limit else part_examples)
-        return examples
+            per_task.append(part_examples[:limit] if limit else part_examples)
+        if part == "train":  # the sampler shuffles it
+            return [ex for examples in per_task for ex in examples]
+        # validation is read in order and often cut short (trainer.limit_val_batches):
+        # interleaved, any prefix of it covers every task
+        return [ex for row in zip_longest(*per_task) for ex in row if ex is not None]
 
     def build_train(self, tokenizer) -> Dataset:
         rows = [encode_prompt_answer(tokenizer, ex.context, ex.choices[ex.gold], self.max_len)
