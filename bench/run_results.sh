@@ -121,7 +121,8 @@ PY
     python bench/summarize_mc.py $out results/mc_short_full --paired attention_gate
     python bench/summarize_mc.py $out results/mc_short_full --paired full --any-mode ;;
   mctasks) # abl_mc_short's gate trained on MC prompts of four other tasks (needs `cpt` first)
-    python train.py --config cpt_recipe --config configs/ablation/mc_tasks.yaml
+    python train.py --config cpt_recipe --config configs/ablation/mc_short.yaml \
+      --config configs/ablation/mc_tasks.yaml
     ck=runs/abl_mc_tasks/gated; out=results/mc_tasks
     mc=(--checkpoint $ck --tasks $TASKS7 --limit 200 --no-progress)
     python -m kvgate.eval mc "${mc[@]}" --policies attention_gate --mode masked --out $out
