@@ -8,6 +8,17 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 source scripts/setup.sh
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 TASKS7=piqa,arc_easy,arc_challenge,rte,copa,boolq,hellaswag
+
+# gate_vs_best_heuristics CKPT OUT: a gate on the 7 tasks (1,300 examples) beside H2O and TOVA
+# at its per-example budgets in OUT, and RoCo (cache mode, the gate re-run in cache mode) in
+# OUT_b, a folder of its own so it can run beside the rest
+gate_vs_best_heuristics() {
+  local mc=(--checkpoint "$1" --tasks $TASKS7 --limit 200 --no-progress)
+  python -m kvgate.eval mc "${mc[@]}" --policies attention_gate --mode masked --out "$2"
+  python -m kvgate.eval matched "${mc[@]}" --policies h2o,tova --mode masked --out "$2"
+  python -m kvgate.eval matched "${mc[@]}" --policies roco --mode cache --out "${2}_b"
+  python bench/summarize_mc.py "$2" "${2}_b" results/mc_short_full --paired attention_gate
+}
 HEUR=full,streaming,window,h2o,tova,snapkv,adakv,nacl,ahakv
 
 case "${1:-all}" in
@@ -123,15 +134,16 @@ PY
   mctasks) # abl_mc_short's gate trained on MC prompts of four other tasks (needs `cpt` first)
     python train.py --config cpt_recipe --config configs/ablation/mc_short.yaml \
       --config configs/ablation/mc_tasks.yaml
-    ck=runs/abl_mc_tasks/gated; out=results/mc_tasks
-    mc=(--checkpoint $ck --tasks $TASKS7 --limit 200 --no-progress)
-    python -m kvgate.eval mc "${mc[@]}" --policies attention_gate --mode masked --out $out
-    python -m kvgate.eval matched "${mc[@]}" --policies h2o,tova --mode masked --out $out
-    # RoCo (cache mode, with the gate re-run in cache mode) in a folder of its own, so it can
-    # run beside the line above
-    python -m kvgate.eval matched "${mc[@]}" --policies roco --mode cache --out ${out}_b
-    python bench/summarize_mc.py $out ${out}_b results/mc_short_full --paired attention_gate
-    python bench/summarize_mc.py $out ${out}_b results/mc_short_full --paired full --any-mode ;;
+    gate_vs_best_heuristics runs/abl_mc_tasks/gated results/mc_tasks
+    python bench/summarize_mc.py results/mc_tasks results/mc_tasks_b results/mc_short_full \
+      --paired full --any-mode ;;
+  mctasksall) # abl_mc_tasks' gate trained on with every answer choice distilled (needs `mctasks`)
+    python train.py --config cpt_recipe --config configs/ablation/mc_short.yaml \
+      --config configs/ablation/mc_tasks.yaml --config configs/ablation/mc_tasks_all.yaml
+    gate_vs_best_heuristics runs/abl_mc_tasks_all/gated results/mc_tasks_all
+    # against the heuristics at the fixed 50% budget (`headroom`) and the full cache
+    python bench/summarize_mc.py results/mc_tasks_all results/mc_headroom_a \
+      results/mc_headroom_b results/mc_short_full --paired attention_gate --any-mode ;;
   headroom) # how far the best heuristics sit below the full cache on the 7 tasks (base model)
     mc=(--model smollm2-135m --tasks $TASKS7 --limit 200 --budgets 0.5,0.3 --no-progress)
     python -m kvgate.eval mc "${mc[@]}" --policies h2o --mode masked --out results/mc_headroom_a
@@ -143,5 +155,5 @@ PY
     python -m kvgate.eval mc "${mc[@]}" --budgets 0.3 --out results/mc_headroom_c
     python bench/summarize_mc.py results/mc_headroom_a results/mc_headroom_b \
       results/mc_headroom_c results/mc_short_full --paired full --any-mode ;;
-  *) echo "usage: $0 base|cpt|sft|gate CKPT OUT|sfteval|ppl CKPT OUT BUDGETS|ablation|pplctx CTX CONT WINDOWS OUT GATE...|needle|mcshort|mctasks|headroom" >&2; exit 2 ;;
+  *) echo "usage: $0 base|cpt|sft|gate CKPT OUT|sfteval|ppl CKPT OUT BUDGETS|ablation|pplctx CTX CONT WINDOWS OUT GATE...|needle|mcshort|mctasks|mctasksall|headroom" >&2; exit 2 ;;
 esac

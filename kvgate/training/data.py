@@ -124,21 +124,31 @@ def encode_prompt_answer(tokenizer, context: str, answer: str, max_len: int) -> 
     return prompt + target, len(prompt)
 
 
-def collate_sft(rows: Sequence[tuple[list[int], int]], pad_id: int) -> dict[str, Tensor]:
-    """Right-pad (ids, prompt_len) rows into the SFT batch; labels only on answer tokens."""
-    n = max(len(ids) for ids, _ in rows)
+def collate_sft(rows: Sequence[tuple], pad_id: int) -> dict[str, Tensor]:
+    """Right-pad ``(ids, prompt_len)`` rows into the SFT batch; labels only on answer tokens.
+
+    A row may carry a third item, ``gold``: False marks a wrong choice, whose answer tokens
+    get no label (the LM loss must not teach it) but are listed in ``distill_mask``, the
+    positions the distillation covers (every row's answer tokens), which is then added.
+    """
+    n = max(len(row[0]) for row in rows)
     b = len(rows)
     input_ids = torch.full((b, n), pad_id, dtype=torch.long)
     attention = torch.zeros(b, n, dtype=torch.long)
     prompt_mask = torch.zeros(b, n, dtype=torch.bool)
-    for i, (ids, plen) in enumerate(rows):
+    gold = torch.ones(b, 1, dtype=torch.bool)
+    for i, (ids, plen, *is_gold) in enumerate(rows):
         input_ids[i, : len(ids)] = torch.tensor(ids, dtype=torch.long)
         attention[i, : len(ids)] = 1
         prompt_mask[i, :plen] = True
+        gold[i] = bool(is_gold[0]) if is_gold else True
     answer = attention.bool() & ~prompt_mask
-    labels = torch.where(answer, input_ids, torch.full_like(input_ids, -100))
-    return {"input_ids": input_ids, "attention_mask": attention, "labels": labels,
-            "prompt_mask": prompt_mask}
+    labels = torch.where(answer & gold, input_ids, torch.full_like(input_ids, -100))
+    batch = {"input_ids": input_ids, "attention_mask": attention, "labels": labels,
+             "prompt_mask": prompt_mask}
+    if not bool(gold.all()):
+        batch["distill_mask"] = answer
+    return batch
 
 
 def collate_options(examples: Sequence[dict[str, Any]], pad_id: int) -> dict[str, Tensor]:
@@ -403,13 +413,17 @@ class SFTDataModule(KVGateDataModule):
     def __init__(self, task: str | list[str] = "rte",
                  max_len: int = 256, limit_train: int | None = None, limit_val: int | None = None,
                  source: Literal["embedded", "hub"] = "embedded", test_fraction: float = 0.3,
-                 split_seed: int = 0, batch_size: int = 4, val_batch_size: int | None = None,
+                 split_seed: int = 0, answers: Literal["gold", "all"] = "gold",
+                 batch_size: int = 4, val_batch_size: int | None = None,
                  seed: int = 0, num_workers: int = 0) -> None:
         """
         Args:
             task: a multiple-choice task (``kvgate.data.TASKS``), or a list of them to train on
                 their mixture (train parts concatenated, then shuffled by the sampler; the
                 validation accuracy pools their test parts, interleaved task by task).
+            answers: ``gold``: one training row per example, prompt + gold answer. ``all``: a
+                row per choice, as option scoring reads them; the distillation covers every
+                choice's tokens, the LM loss only the gold one's. ``batch_size`` counts rows.
             max_len: longest prompt + answer in tokens (the prompt is cut from the left).
             limit_train / limit_val: use at most this many examples per task (None = all).
             source: ``embedded`` (the shipped validation split cut into train/test, see
@@ -428,6 +442,9 @@ class SFTDataModule(KVGateDataModule):
         if not 0.0 < test_fraction < 1.0:
             raise TrainingConfigError(
                 f"data.test_fraction: must lie strictly in (0, 1) (got {test_fraction!r})")
+        if answers not in ("gold", "all"):
+            raise TrainingConfigError(f"data.answers: must be gold or all (got {answers!r})")
+        self.answers = answers
         self.source = source
         self.test_fraction = test_fraction
         self.split_seed = split_seed
@@ -450,8 +467,15 @@ class SFTDataModule(KVGateDataModule):
         return [ex for row in zip_longest(*per_task) for ex in row if ex is not None]
 
     def build_train(self, tokenizer) -> Dataset:
-        rows = [encode_prompt_answer(tokenizer, ex.context, ex.choices[ex.gold], self.max_len)
-                for ex in self.examples("train", self.limit_train)]
+        rows = []
+        for ex in self.examples("train", self.limit_train):
+            if self.answers == "gold":
+                rows.append(encode_prompt_answer(tokenizer, ex.context, ex.choices[ex.gold],
+                                                 self.max_len))
+                continue
+            for c, choice in enumerate(ex.choices):
+                rows.append((*encode_prompt_answer(tokenizer, ex.context, choice, self.max_len),
+                             c == ex.gold))
         return TensorRows(rows)
 
     def build_val(self, tokenizer) -> Dataset | None:

@@ -6,7 +6,8 @@ Three regimes (``train``):
 - ``lora``: LoRA only with no gates (the paper's fine-tuned baseline).
 
 Loss = LM loss over the batch's ``labels`` (every token for CPT, answer tokens only for SFT)
-+ the eviction loss ``alpha * |mean(gate) - beta|``.
++ the distillation KL to the gates-open teacher (``recipe``) + the eviction loss
+``alpha * |mean(gate) - beta|``.
 
 The base model is built in ``configure_model`` (not ``__init__``): every setting is validated
 first, so a config error fails before a multi-GB download or load, and DeepSpeed stage 3 can
@@ -14,7 +15,9 @@ shard the model as it is built. Lightning checkpoints keep only what trains.
 
 Batch contract (see ``kvgate.training.data``): ``input_ids`` [B, n] long, ``attention_mask``
 [B, n] (1 = real token), ``labels`` [B, n] long (-100 = no loss; aligned with ``input_ids``,
-the shift happens in the loss), optional ``prompt_mask`` [B, n] bool (SFT). Option-scoring
+the shift happens in the loss), optional ``prompt_mask`` [B, n] bool (SFT), optional
+``distill_mask`` [B, n] bool (the positions the KL covers when they are not the labelled ones:
+SFT on every choice). Option-scoring
 validation batches add ``example_index`` [M], ``choice_index`` [M] and ``gold`` [E].
 """
 
@@ -426,6 +429,8 @@ class KVGateModule(L.LightningModule):
         distilling), and with gates ``evict`` and the retention ``stats``."""
         r = self.recipe_cfg
         split = self.prompt_split(batch)
+        # the KL covers the labelled positions, or every choice's answer where the batch says so
+        kd_mask = batch.get("distill_mask", batch["labels"] != -100)
         if split is None:
             logits = self(batch["input_ids"], batch["attention_mask"], batch.get("prompt_mask"))
             labels = batch["labels"]
@@ -437,13 +442,14 @@ class KVGateModule(L.LightningModule):
                                          attention_mask=batch["attention_mask"], use_cache=False)
         else:
             logits, teacher, labels = self._two_pass_logits(batch, split)
+            kd_mask = kd_mask[:, split - 1:]
         lm, _ = causal_lm_loss(logits, labels)
         terms = {"lm": lm}
         loss = r.lm_weight * lm
         if teacher is not None:
             from kvgate.recipes import distillation_loss
 
-            predicted = labels[:, 1:] != -100  # positions whose next token is scored
+            predicted = kd_mask[:, 1:]  # positions whose next token is scored
             kd = distillation_loss(logits[:, :-1], teacher[:, :-1], predicted,
                                    r.distill_temperature)
             loss = loss + r.distill_weight * kd
@@ -483,6 +489,11 @@ class KVGateModule(L.LightningModule):
             raise TrainingConfigError(
                 "model.gate.prefill: 'full' trains on prompt + continuation blocks; set "
                 "data.init_args.continuation > 0 (CPT) or train on a task (SFT)")
+        if "distill_mask" in batch and not (self.gated and r.distill_weight):
+            # the wrong choices' rows carry no label: without the KL they only cost time
+            raise TrainingConfigError(
+                "data.answers: 'all' trains the wrong choices through the distillation only; "
+                "set model.recipe.distill_weight > 0 (with gates) or data.answers: gold")
         loss, terms = self.objective(batch)
         bsz = batch["input_ids"].shape[0]
         self.log("train/lm_loss", terms["lm"], prog_bar=True, batch_size=bsz)

@@ -104,6 +104,25 @@ def test_sft_module_builds_train_and_option_batches(tok):
     assert val["gold"].shape == (4,) and val["input_ids"].shape[0] == 8
 
 
+def test_sft_on_every_choice_labels_only_the_gold_rows_and_distils_all_answers(tok):
+    dm = SyntheticSFT(n_train=6, n_val=2, batch_size=64, max_len=64, answers="all")
+    examples = dm.examples("train", None)
+    rows = list(dm.build_train(tok))
+    assert len(rows) == sum(len(ex.choices) for ex in examples)
+    batch = collate_sft(rows, pad_id=0)
+    answer = batch["attention_mask"].bool() & ~batch["prompt_mask"]
+    assert torch.equal(batch["distill_mask"], answer)
+    gold_rows = torch.tensor([c == ex.gold for ex in examples for c in range(len(ex.choices))])
+    assert torch.equal(batch["labels"] != -100, answer & gold_rows[:, None])
+    # every row of an example is that prompt followed by one of its choices, in order
+    prompts = {tuple(ids[:plen]) for ids, plen, _ in rows[:2]}
+    assert len(prompts) == 1
+    # the default trains on the gold answer alone, and its batches carry no distill_mask
+    gold_only = SyntheticSFT(n_train=6, n_val=2, batch_size=64, max_len=64)
+    assert len(gold_only.build_train(tok)) == len(examples)
+    assert "distill_mask" not in collate_sft(list(gold_only.build_train(tok)), pad_id=0)
+
+
 def test_sft_mixture_takes_each_tasks_own_part_with_a_per_task_limit(tok):
     from kvgate.data import load_sft_split
 
@@ -175,6 +194,8 @@ def test_sft_config_errors_name_the_key():
         SFTDataModule(task=[])
     with pytest.raises(TrainingConfigError, match="data.limit_train"):
         SFTDataModule(limit_train=0)
+    with pytest.raises(TrainingConfigError, match="data.answers"):
+        SFTDataModule(answers="wrong")
 
 
 def test_no_tokenizer_is_a_clear_error():

@@ -257,6 +257,33 @@ def test_recipe_warm_start_then_distillation_with_annealed_beta(base_dir, tmp_pa
         RecipeSettings(warmstart_steps=1, warmstart_policy="attention_gate")
 
 
+def test_sft_on_every_choice_distils_each_choice_but_teaches_only_the_gold_one(base_dir):
+    from kvgate.recipes.settings import RecipeSettings
+    from kvgate.training.data import collate_sft
+
+    module = built(base_dir, train="gates", gate=GateConfig(gamma=0.0, beta=0.3),
+                   recipe=RecipeSettings(lm_weight=1.0, distill_weight=1.0, beta_start=None))
+    data = SyntheticSFT(n_train=4, max_len=64, answers="all")
+    rows = list(data.build_train(module.tokenizer))
+    every_choice = collate_sft(rows, pad_id=0)
+    as_gold = collate_sft([(ids, plen) for ids, plen, _ in rows], pad_id=0)  # all labelled
+    gold_only = collate_sft([(ids, plen) for ids, plen, gold in rows if gold], pad_id=0)
+    with torch.no_grad():
+        _, terms = module.objective(every_choice)
+        _, terms_as_gold = module.objective(as_gold)
+        _, terms_gold_only = module.objective(gold_only)
+    # the KL reads every choice's tokens, exactly as if each were labelled ...
+    assert terms["distill"] > 0
+    assert torch.allclose(terms["distill"], terms_as_gold["distill"], atol=1e-6)
+    # ... while the LM loss is the gold rows' alone
+    assert torch.allclose(terms["lm"], terms_gold_only["lm"], atol=1e-5)
+    assert not torch.allclose(terms["lm"], terms_as_gold["lm"], atol=1e-3)
+    # without the KL the wrong choices' rows teach nothing: a clear error, not silent waste
+    no_kd = built(base_dir, train="gates", recipe=RecipeSettings(distill_weight=0.0))
+    with pytest.raises(TrainingConfigError, match="data.answers"):
+        no_kd.training_step(every_choice, 0)
+
+
 def test_prompt_continuation_cpt_gates_only_the_prompt_and_scores_only_the_continuation(base_dir):
     """CPT with ``continuation``: a prompt_bidirectional gate flags the prompt (the continuation
     is never evicted or counted), and the loss ignores every prompt position."""
