@@ -284,6 +284,17 @@ class KVGateModule(L.LightningModule):
     def uses_lora(self) -> bool:
         return self.train_mode in ("gates_lora", "lora")
 
+    def setup(self, stage: str) -> None:
+        """Checks that span the model and the data; Lightning runs this before
+        ``configure_model``, so they fail before the base is loaded."""
+        data = self.trainer.datamodule
+        if getattr(data, "answers", "gold") == "all" and not (self.gated
+                                                             and self.recipe_cfg.distill_weight):
+            # the wrong choices' rows carry no label: without the KL they only cost time
+            raise TrainingConfigError(
+                "data.answers: 'all' trains the wrong choices through the distillation only; "
+                "set model.recipe.distill_weight > 0 (with gates) or data.answers: gold")
+
     def configure_model(self) -> None:
         """Load the frozen base, add LoRA, then patch the gates (in that order: peft must
         never see the gates' own projections). Idempotent."""
@@ -489,11 +500,6 @@ class KVGateModule(L.LightningModule):
             raise TrainingConfigError(
                 "model.gate.prefill: 'full' trains on prompt + continuation blocks; set "
                 "data.init_args.continuation > 0 (CPT) or train on a task (SFT)")
-        if "distill_mask" in batch and not (self.gated and r.distill_weight):
-            # the wrong choices' rows carry no label: without the KL they only cost time
-            raise TrainingConfigError(
-                "data.answers: 'all' trains the wrong choices through the distillation only; "
-                "set model.recipe.distill_weight > 0 (with gates) or data.answers: gold")
         loss, terms = self.objective(batch)
         bsz = batch["input_ids"].shape[0]
         self.log("train/lm_loss", terms["lm"], prog_bar=True, batch_size=bsz)

@@ -278,10 +278,18 @@ def test_sft_on_every_choice_distils_each_choice_but_teaches_only_the_gold_one(b
     # ... while the LM loss is the gold rows' alone
     assert torch.allclose(terms["lm"], terms_gold_only["lm"], atol=1e-5)
     assert not torch.allclose(terms["lm"], terms_as_gold["lm"], atol=1e-3)
+
+
+def test_every_choice_without_distillation_fails_before_the_base_loads(base_dir, tmp_path):
+    from kvgate.recipes.settings import RecipeSettings
+
     # without the KL the wrong choices' rows teach nothing: a clear error, not silent waste
-    no_kd = built(base_dir, train="gates", recipe=RecipeSettings(distill_weight=0.0))
-    with pytest.raises(TrainingConfigError, match="data.answers"):
-        no_kd.training_step(every_choice, 0)
+    for kwargs in ({"train": "gates", "recipe": RecipeSettings(distill_weight=0.0)},
+                   {"train": "lora"}):
+        module = KVGateModule(base_model=base_dir, image_every_n_steps=0, **kwargs)
+        with pytest.raises(TrainingConfigError, match="data.answers"):
+            trainer(tmp_path, max_steps=1).fit(module, SyntheticSFT(n_train=4, answers="all"))
+        assert module.model is None
 
 
 def test_prompt_continuation_cpt_gates_only_the_prompt_and_scores_only_the_continuation(base_dir):
