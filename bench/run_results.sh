@@ -143,7 +143,15 @@ PY
     gate_vs_best_heuristics runs/abl_mc_tasks_all/gated results/mc_tasks_all
     # against the heuristics at the fixed 50% budget (`headroom`) and the full cache
     python bench/summarize_mc.py results/mc_tasks_all results/mc_headroom_a \
-      results/mc_headroom_b results/mc_short_full --paired attention_gate --any-mode ;;
+      results/mc_headroom_b results/mc_short_full --paired attention_gate --any-mode
+    # its control: the same 80 more steps on the gold answer alone
+    python train.py --config cpt_recipe --config configs/ablation/mc_short.yaml \
+      --config configs/ablation/mc_tasks.yaml --config configs/ablation/mc_tasks_all.yaml \
+      --config configs/ablation/mc_tasks_more.yaml
+    python -m kvgate.eval matched --checkpoint runs/abl_mc_tasks_more/gated --tasks $TASKS7 \
+      --limit 200 --no-progress --policies h2o --mode masked --out results/mc_tasks_more
+    python bench/summarize_mc.py results/mc_tasks_more results/mc_headroom_a \
+      results/mc_short_full --paired attention_gate --any-mode ;;
   headroom) # how far the best heuristics sit below the full cache on the 7 tasks (base model)
     mc=(--model smollm2-135m --tasks $TASKS7 --limit 200 --budgets 0.5,0.3 --no-progress)
     python -m kvgate.eval mc "${mc[@]}" --policies h2o --mode masked --out results/mc_headroom_a
