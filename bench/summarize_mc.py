@@ -6,7 +6,9 @@
 Prints a markdown table: policy, budget, tasks, examples, mean acc, mean acc_norm, mean %Evict
 (task-level means, each task weighted equally, as the papers' averages are).
 ``--paired NAME`` adds, per policy, the accuracy gap NAME - policy over the examples both
-scored (same mode), with a 95% interval of that task-weighted mean difference. ``--any-mode``
+scored (same mode), with a 95% interval of that task-weighted mean difference;
+``--paired FOLDER:NAME`` takes NAME's records from that results folder alone, so two gates
+given in two folders are paired with each other. ``--any-mode``
 pairs across modes where NAME ran in one mode only (the full cache scores the same in masked
 and cache mode).
 """
@@ -55,7 +57,8 @@ def paired_gap(ref: list[dict], other: list[dict]) -> tuple[float, float, int]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("dirs", nargs="+")
-    ap.add_argument("--paired", default=None, help="policy to pair every other policy with")
+    ap.add_argument("--paired", default=None,
+                    help="policy to pair every other policy with (FOLDER:POLICY: that folder's)")
     ap.add_argument("--any-mode", action="store_true",
                     help="pair with NAME's records of another mode where its mode has none")
     args = ap.parse_args()
@@ -67,7 +70,10 @@ def main() -> None:
                 continue
             key = (Path(d).name, rec["kind"], rec["policy"], str(rec["budget"]), rec["mode"])
             groups[key].append(rec)
-    paired = {key[4]: recs for key, recs in groups.items() if key[2] == args.paired}
+    # FOLDER:NAME pairs with NAME's records in that results folder only (two gates side by side)
+    ref_dir, _, ref_policy = (args.paired or "").rpartition(":")
+    paired = {key[4]: recs for key, recs in groups.items()
+              if key[2] == ref_policy and (not ref_dir or key[0] == ref_dir)}
     extra = " gap vs paired, 95% CI (shared examples) |" if args.paired else ""
     print("| results | kind | policy | budget | mode | tasks | examples | acc % | acc_norm % | "
           "%Evict |" + extra)
@@ -81,7 +87,7 @@ def main() -> None:
             ref = paired.get(key[4])
             if ref is None and args.any_mode and paired:
                 ref = next(iter(paired.values()))
-            if ref is None or key[2] == args.paired:
+            if ref is None or recs is ref or (not ref_dir and key[2] == ref_policy):
                 cell = " |"
             else:
                 gap, half, n = paired_gap(ref, recs)

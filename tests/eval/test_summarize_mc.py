@@ -47,3 +47,16 @@ def test_any_mode_pairs_with_the_reference_of_the_other_mode(tmp_path, monkeypat
     gaps = summarize(tmp_path, monkeypatch, capsys, "--any-mode")
     assert gaps["roco"].startswith("+50.00") and gaps["roco"].endswith("(n=4)")
     assert gaps["h2o"].startswith("+25.00")
+
+
+def test_folder_prefix_pairs_two_gates_from_two_folders(tmp_path, monkeypatch, capsys):
+    for name, hits in (("a", [1, 1, 1, 0]), ("b", [1, 0, 0, 0])):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "results.json").write_text(json.dumps(
+            {"meta": {}, "results": {"g": record("attention_gate", "masked", hits)}}))
+    monkeypatch.setattr(sys, "argv", ["summarize_mc.py", str(tmp_path / "a"), str(tmp_path / "b"),
+                                      "--paired", "a:attention_gate"])
+    summarize_mc.main()
+    rows = [line.split("|") for line in capsys.readouterr().out.splitlines()[2:]]
+    gaps = {cells[1].strip(): cells[-2].strip() for cells in rows}
+    assert gaps["a"] == "" and gaps["b"].startswith("+50.00") and gaps["b"].endswith("(n=4)")
