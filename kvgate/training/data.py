@@ -469,13 +469,9 @@ class SFTDataModule(KVGateDataModule):
     def build_train(self, tokenizer) -> Dataset:
         rows = []
         for ex in self.examples("train", self.limit_train):
-            if self.answers == "gold":
-                rows.append(encode_prompt_answer(tokenizer, ex.context, ex.choices[ex.gold],
-                                                 self.max_len))
-                continue
-            for c, choice in enumerate(ex.choices):
-                rows.append((*encode_prompt_answer(tokenizer, ex.context, choice, self.max_len),
-                             c == ex.gold))
+            picked = range(len(ex.choices)) if self.answers == "all" else (ex.gold,)
+            rows.extend((*encode_prompt_answer(tokenizer, ex.context, ex.choices[c], self.max_len),
+                         c == ex.gold) for c in picked)
         return TensorRows(rows)
 
     def build_val(self, tokenizer) -> Dataset | None:
