@@ -152,6 +152,22 @@ PY
       --limit 200 --no-progress --policies h2o --mode masked --out results/mc_tasks_more
     python bench/summarize_mc.py results/mc_tasks_more results/mc_headroom_a \
       results/mc_short_full --paired attention_gate --any-mode ;;
+  mctaskslora) # abl_mc_tasks' gate trained on with LoRA distilled towards the frozen base
+    python train.py --config cpt_recipe --config configs/ablation/mc_short.yaml \
+      --config configs/ablation/mc_tasks.yaml --config configs/ablation/mc_tasks_all.yaml \
+      --config configs/ablation/mc_tasks_more.yaml --config configs/ablation/mc_tasks_lora.yaml
+    mc=(--checkpoint runs/abl_mc_tasks_lora/gated --tasks $TASKS7 --limit 200 --no-progress)
+    # full and the heuristics on the adapted model (gates open / the adapter on) ...
+    python -m kvgate.eval mc "${mc[@]}" --policies attention_gate,full --mode masked \
+      --out results/mc_tasks_lora
+    python -m kvgate.eval matched "${mc[@]}" --policies h2o,tova --mode masked \
+      --out results/mc_tasks_lora
+    # ... and on the frozen base, as the training-free heuristics are used
+    python -m kvgate.eval matched "${mc[@]}" --policies h2o,tova --others-on base --mode masked \
+      --out results/mc_tasks_lora_base
+    python bench/summarize_mc.py results/mc_tasks_lora results/mc_headroom_a \
+      results/mc_short_full --paired attention_gate --any-mode
+    python bench/summarize_mc.py results/mc_tasks_lora_base --paired attention_gate ;;
   headroom) # how far the best heuristics sit below the full cache on the 7 tasks (base model)
     mc=(--model smollm2-135m --tasks $TASKS7 --limit 200 --budgets 0.5,0.3 --no-progress)
     python -m kvgate.eval mc "${mc[@]}" --policies h2o --mode masked --out results/mc_headroom_a
@@ -163,5 +179,5 @@ PY
     python -m kvgate.eval mc "${mc[@]}" --budgets 0.3 --out results/mc_headroom_c
     python bench/summarize_mc.py results/mc_headroom_a results/mc_headroom_b \
       results/mc_headroom_c results/mc_short_full --paired full --any-mode ;;
-  *) echo "usage: $0 base|cpt|sft|gate CKPT OUT|sfteval|ppl CKPT OUT BUDGETS|ablation|pplctx CTX CONT WINDOWS OUT GATE...|needle|mcshort|mctasks|mctasksall|headroom" >&2; exit 2 ;;
+  *) echo "usage: $0 base|cpt|sft|gate CKPT OUT|sfteval|ppl CKPT OUT BUDGETS|ablation|pplctx CTX CONT WINDOWS OUT GATE...|needle|mcshort|mctasks|mctasksall|mctaskslora|headroom" >&2; exit 2 ;;
 esac

@@ -92,6 +92,10 @@ def build_parser() -> argparse.ArgumentParser:
     matched.add_argument("--reference-budget", default="0.5",
                          help="budget of a heuristic reference policy (attention_gate and "
                               "full ignore it)")
+    matched.add_argument("--others-on", choices=("checkpoint", "base"), default="checkpoint",
+                         help="what the other policies run on: the checkpoint's model, or its "
+                              "frozen base with the LoRA adapter off (the training-free "
+                              "heuristics as a user would run them; the reference keeps it)")
 
     needle = sub.add_parser("needle", help="passkey retrieval by context length and depth")
     common(needle, policies="full,snapkv,h2o")
@@ -214,11 +218,22 @@ def check_positive(value: int | None, what: str) -> None:
 def load_model(args: argparse.Namespace) -> tuple[Any, Any, dict[str, Any]]:
     """(model, tokenizer, store meta)."""
     if args.checkpoint is not None:
-        from kvgate.checkpoint import load_gated
+        from kvgate.checkpoint import load_gated, read_meta
 
-        model, tokenizer, meta = load_gated(args.checkpoint, dtype=args.dtype, device=args.device)
+        on_base = getattr(args, "others_on", "checkpoint") == "base"
+        if on_base and not read_meta(args.checkpoint, verify=False).get("lora"):
+            from kvgate.eval.masked import EvalError
+
+            raise EvalError(f"--others-on base: {args.checkpoint} has no LoRA adapter, so its "
+                            "model is the base already; leave the option out")
+        # the adapter must stay a separate peft module for the others to switch it off
+        model, tokenizer, meta = load_gated(args.checkpoint, dtype=args.dtype, device=args.device,
+                                            merge_lora=not on_base)
         base = meta.get("base", {}).get("id")
-        return model, tokenizer, {"model": base, "checkpoint": str(Path(args.checkpoint).resolve())}
+        store_meta = {"model": base, "checkpoint": str(Path(args.checkpoint).resolve())}
+        if on_base:  # kept apart from folders whose others ran with the adapter
+            store_meta["others_on"] = "base"
+        return model, tokenizer, store_meta
     from kvgate.models import load_base
 
     model, tokenizer = load_base(args.model, dtype=args.dtype, device=args.device)
@@ -334,9 +349,10 @@ def run(args: argparse.Namespace) -> int:
             extra_paths = write_patterns(model, tokenizer, tasks, gated, Budget(ratio=1.0),
                                          args.patterns, out)
     elif args.command == "matched":
+        others = model.disable_adapter if args.others_on == "base" else None
         mc.evaluate_matched(model, tokenizer, tasks, policies, reference, args.mode, store,
                             ref_label, ref_budget, args.batch_size, args.max_length,
-                            progress)
+                            progress, others)
         if args.patterns and reference.name == "attention_gate":
             extra_paths = write_patterns(model, tokenizer, tasks, {ref_label: reference},
                                          Budget(ratio=1.0), args.patterns, out)

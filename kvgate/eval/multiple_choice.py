@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 import torch
@@ -304,10 +305,12 @@ def evaluate_matched(model: nn.Module, tokenizer: Any, tasks: Mapping[str, Seque
                      policies: Mapping[str, Policy], reference: Policy, mode: str,
                      store: ResultStore, reference_name: str | None = None,
                      reference_budget: Budget | None = None, batch_size: int = 8,
-                     max_length: int | None = None, progress: bool = True) -> list[str]:
+                     max_length: int | None = None, progress: bool = True,
+                     others: Callable[[], AbstractContextManager] | None = None) -> list[str]:
     """Run ``reference`` (the learned gate; a heuristic at ``reference_budget`` works too),
     then every other policy at the reference's per-example eviction ratio (budget label
-    ``matched-<reference key's policy>@<its budget>``); returns the keys."""
+    ``matched-<reference key's policy>@<its budget>``); returns the keys. ``others``: a
+    context the other policies run in (e.g. peft's ``disable_adapter``: the frozen base)."""
     check_mode(mode)
     ref_name = reference_name or reference.name
     ref_budget = None if reference.name in BUDGET_FREE else (reference_budget or Budget(ratio=0.5))
@@ -328,7 +331,8 @@ def evaluate_matched(model: nn.Module, tokenizer: Any, tasks: Mapping[str, Seque
             if name == ref_name:
                 continue
             key = make_key("mc", task, name, label, mode)
-            run_items(model, task_items, policy, per_example.__getitem__, mode, store, key,
-                      mc_summary, batch_size=batch_size, pad=pad, progress=progress)
+            with (others or nullcontext)():
+                run_items(model, task_items, policy, per_example.__getitem__, mode, store, key,
+                          mc_summary, batch_size=batch_size, pad=pad, progress=progress)
             keys.append(key)
     return keys

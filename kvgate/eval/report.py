@@ -62,7 +62,7 @@ class ResultStore:
             raise EvalError(f"{self.path} exists but is not readable JSON; move it away")
         data = data or {"meta": dict(meta), "results": {}}
         old = data.get("meta", {})
-        for field in ("model", "checkpoint"):
+        for field in ("model", "checkpoint", "others_on"):
             if old.get(field) != meta.get(field):
                 raise EvalError(f"{self.path} holds results of {field} {old.get(field)!r}, not "
                                 f"{meta.get(field)!r}; use another --out folder")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -10,10 +12,17 @@ from kvgate.gate.patch import gates_open
 
 
 @torch.no_grad()
-def teacher_logits(model: nn.Module, **batch) -> Tensor:
-    """Logits of the model with all gates open (exactly the base model plus any LoRA), no grad."""
-    with gates_open(model):
-        return model(**batch).logits.detach()
+def teacher_logits(model: nn.Module, adapters: bool = True, **batch) -> Tensor:
+    """Logits of the model with all gates open, no grad: the base model plus any LoRA, or with
+    ``adapters=False`` the frozen base alone (a fixed target the LoRA cannot move)."""
+    disable = getattr(model, "disable_adapter", None)  # peft's context manager
+    training = model.training
+    model.eval()  # a target without dropout noise (LoRA's dropout acts in training mode)
+    try:
+        with gates_open(model), (nullcontext() if adapters or disable is None else disable()):
+            return model(**batch).logits.detach()
+    finally:
+        model.train(training)
 
 
 def distillation_loss(student: Tensor, teacher: Tensor, mask: Tensor | None = None,

@@ -18,6 +18,10 @@ class RecipeSettings:
     lm_weight: float = 1.0  # weight of the language-modelling loss
     distill_weight: float = 0.0  # weight of KL(gates-open teacher || gated student); 0 = off
     distill_temperature: float = 1.0  # softmax temperature of the KL
+    # with LoRA, the teacher is the model with gates open and its adapters on ("adapted", a
+    # target that moves as LoRA learns) or off ("base": the frozen full-cache base, so LoRA can
+    # only learn to make up for what the gates evict); without LoRA the two are one model
+    distill_teacher: str = "adapted"
     beta_start: float | None = None  # anneal beta from this value (1.0 = keep all); None = off
     beta_steps: int = 0  # optimiser steps over which beta goes from beta_start to gate.beta
     beta_schedule: str = "linear"  # linear | cosine
@@ -37,6 +41,8 @@ class RecipeSettings:
             raise bad("lm_weight", "lm_weight and distill_weight cannot both be 0")
         if self.distill_temperature <= 0:
             raise bad("distill_temperature", "must be > 0")
+        if self.distill_teacher not in ("adapted", "base"):
+            raise bad("distill_teacher", "must be adapted or base")
         if self.beta_start is not None and not 0.0 <= self.beta_start <= 1.0:
             raise bad("beta_start", "must lie in [0, 1] or be null")
         if self.beta_steps < 0:

@@ -159,3 +159,63 @@ def test_one_policy_under_two_labels_with_different_options():
 
     with pytest.raises(EvalError, match="repeats a label"):
         cli.parse_policies("snapkv,snapkv=h2o", [])
+
+
+@pytest.fixture(scope="module")
+def lora_checkpoint(tmp_path_factory):
+    """A tiny base folder and an exported gates + LoRA checkpoint whose adapter moves logits."""
+    from training.kvtrain_fixtures import save_tiny_base
+
+    from kvgate.export import export_module
+    from kvgate.training.module import KVGateModule
+
+    root = tmp_path_factory.mktemp("lora_ck")
+    base = save_tiny_base(root / "base")
+    torch.manual_seed(1)
+    module = KVGateModule(base_model=base, train="gates_lora", image_every_n_steps=0)
+    module.configure_model()
+    with torch.no_grad():
+        for name, p in module.model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0.0, 0.3)
+    gates_only = KVGateModule(base_model=base, train="gates", image_every_n_steps=0)
+    gates_only.configure_model()
+    return (base, export_module(module.eval(), root / "gated"),
+            export_module(gates_only.eval(), root / "gates_only"))
+
+
+def _examples(folder, key):
+    results = json.loads((folder / "results.json").read_text())["results"]
+    return {uid: ex["ll"] for uid, ex in results[key]["examples"].items()}
+
+
+@pytest.mark.parametrize("mode", ["masked", "cache"])
+def test_matched_others_on_the_base_switch_the_adapter_off(capsys, lora_checkpoint, tmp_path,
+                                                          mode):
+    base, ck, gates_only = lora_checkpoint
+    common = ["--tasks", "copa", "--limit", "3", "--no-progress", "--mode", mode]
+    for out, extra in (("on_base", ["--others-on", "base"]), ("on_ck", [])):
+        code, _, err = run(capsys, "matched", "--checkpoint", str(ck), "--policies", "full",
+                           "--out", str(tmp_path / out), *common, *extra)
+        assert code == 0, err
+    code, _, err = run(capsys, "mc", "--model", base, "--policies", "full",
+                       "--out", str(tmp_path / "base"), *common)
+    assert code == 0, err
+    full_base = _examples(tmp_path / "base", f"mc|copa|full|none|{mode}")
+    full_on_base = _examples(tmp_path / "on_base", f"mc|copa|full|matched-attention_gate|{mode}")
+    full_on_ck = _examples(tmp_path / "on_ck", f"mc|copa|full|matched-attention_gate|{mode}")
+    gate = f"mc|copa|attention_gate|none|{mode}"
+    # the others run on the bare base; the reference keeps its adapter (unmerged == merged)
+    for uid, scores in full_base.items():
+        assert full_on_base[uid] == pytest.approx(scores, abs=1e-4)
+        assert _examples(tmp_path / "on_base", gate)[uid] == pytest.approx(
+            _examples(tmp_path / "on_ck", gate)[uid], abs=1e-3)
+    assert any(full_on_ck[uid] != pytest.approx(s, abs=1e-3) for uid, s in full_base.items())
+    # one folder never mixes the two kinds of runs
+    code, _, err = run(capsys, "matched", "--checkpoint", str(ck), "--policies", "full",
+                       "--out", str(tmp_path / "on_ck"), *common, "--others-on", "base")
+    assert code == 2 and "others_on" in err
+    # without an adapter there is nothing to switch off
+    code, _, err = run(capsys, "matched", "--checkpoint", str(gates_only), "--policies", "h2o",
+                       "--out", str(tmp_path / "g"), *common, "--others-on", "base")
+    assert code == 2 and "no LoRA adapter" in err and err.count("\n") == 1

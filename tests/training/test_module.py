@@ -255,6 +255,8 @@ def test_recipe_warm_start_then_distillation_with_annealed_beta(base_dir, tmp_pa
     assert betas[6] == pytest.approx(0.3)
     with pytest.raises(RecipeError, match="warmstart_policy"):
         RecipeSettings(warmstart_steps=1, warmstart_policy="attention_gate")
+    with pytest.raises(RecipeError, match="distill_teacher"):
+        RecipeSettings(distill_teacher="frozen")
 
 
 def test_sft_on_every_choice_distils_each_choice_but_teaches_only_the_gold_one(base_dir):
@@ -278,6 +280,41 @@ def test_sft_on_every_choice_distils_each_choice_but_teaches_only_the_gold_one(b
     # ... while the LM loss is the gold rows' alone
     assert torch.allclose(terms["lm"], terms_gold_only["lm"], atol=1e-5)
     assert not torch.allclose(terms["lm"], terms_as_gold["lm"], atol=1e-3)
+
+
+@pytest.mark.parametrize("teacher", ["adapted", "base"])
+def test_lora_distils_towards_the_adapted_model_or_the_frozen_base(base_dir, teacher):
+    from kvgate.recipes import teacher_logits
+    from kvgate.recipes.settings import RecipeSettings
+    from kvgate.training.data import collate_sft
+    from kvgate.training.lora import LoraSettings
+
+    # gates held open: the student is the base plus its adapter, so only the teacher differs
+    module = built(base_dir, train="gates_lora", gate=GateConfig(gamma=50.0),
+                   lora=LoraSettings(dropout=0.5),
+                   recipe=RecipeSettings(lm_weight=0.0, distill_weight=1.0,
+                                         distill_teacher=teacher))
+    with torch.no_grad():  # a trained adapter: B is zero at init, so make it move the output
+        for name, p in module.model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(0.5 * torch.randn_like(p))
+    batch = collate_sft(list(SyntheticSFT(n_train=4, max_len=64).build_train(module.tokenizer)),
+                        pad_id=0)
+    # the teacher is a fixed target: no dropout noise, and the module stays in training mode
+    module.train()
+    ids = batch["input_ids"]
+    assert torch.equal(teacher_logits(module.model, teacher == "adapted", input_ids=ids),
+                       teacher_logits(module.model, teacher == "adapted", input_ids=ids))
+    assert module.model.training
+    module.eval()  # the student without dropout too, so gates-open student == adapted teacher
+    _, terms = module.objective(batch)
+    if teacher == "adapted":  # the target moves with the adapter: nothing to learn
+        assert terms["distill"].abs().item() < 1e-5
+    else:  # the frozen base is a fixed target the adapter is pulled back to
+        assert terms["distill"].item() > 1e-3
+        terms["distill"].backward()
+        assert any(p.grad is not None and p.grad.abs().sum() > 0
+                   for n, p in module.model.named_parameters() if "lora_" in n)
 
 
 def test_every_choice_without_distillation_fails_before_the_base_loads(base_dir, tmp_path):
