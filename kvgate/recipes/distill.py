@@ -16,13 +16,14 @@ def teacher_logits(model: nn.Module, adapters: bool = True, **batch) -> Tensor:
     """Logits of the model with all gates open, no grad: the base model plus any LoRA, or with
     ``adapters=False`` the frozen base alone (a fixed target the LoRA cannot move)."""
     disable = getattr(model, "disable_adapter", None)  # peft's context manager
-    training = model.training
+    modes = [(m, m.training) for m in model.modules()]
     model.eval()  # a target without dropout noise (LoRA's dropout acts in training mode)
     try:
         with gates_open(model), (nullcontext() if adapters or disable is None else disable()):
             return model(**batch).logits.detach()
     finally:
-        model.train(training)
+        for m, training in modes:
+            m.training = training
 
 
 def distillation_loss(student: Tensor, teacher: Tensor, mask: Tensor | None = None,

@@ -300,12 +300,13 @@ def test_lora_distils_towards_the_adapted_model_or_the_frozen_base(base_dir, tea
                 p.copy_(0.5 * torch.randn_like(p))
     batch = collate_sft(list(SyntheticSFT(n_train=4, max_len=64).build_train(module.tokenizer)),
                         pad_id=0)
-    # the teacher is a fixed target: no dropout noise, and the module stays in training mode
+    # the teacher is a fixed target: no dropout noise, and every module keeps its mode
     module.train()
+    frozen = module.model.get_output_embeddings().eval()
     ids = batch["input_ids"]
     assert torch.equal(teacher_logits(module.model, teacher == "adapted", input_ids=ids),
                        teacher_logits(module.model, teacher == "adapted", input_ids=ids))
-    assert module.model.training
+    assert module.model.training and not frozen.training
     module.eval()  # the student without dropout too, so gates-open student == adapted teacher
     _, terms = module.objective(batch)
     if teacher == "adapted":  # the target moves with the adapter: nothing to learn
