@@ -19,6 +19,17 @@ gate_vs_best_heuristics() {
   python -m kvgate.eval matched "${mc[@]}" --policies roco --mode cache --out "${2}_b"
   python bench/summarize_mc.py "$2" "${2}_b" results/mc_short_full --paired attention_gate
 }
+# a gate with a LoRA adapter: full and heuristics on the adapted model (gates open / adapter
+# on), and on the frozen base as the training-free heuristics are used (CKPT OUT POLICIES)
+lora_gate_vs_heuristics() {
+  local mc=(--checkpoint "$1" --tasks $TASKS7 --limit 200 --no-progress --mode masked)
+  python -m kvgate.eval mc "${mc[@]}" --policies attention_gate,full --out "$2"
+  python -m kvgate.eval matched "${mc[@]}" --policies "$3" --out "$2"
+  python -m kvgate.eval matched "${mc[@]}" --policies h2o,tova --others-on base --out "${2}_base"
+  python bench/summarize_mc.py "$2" results/mc_headroom_a results/mc_short_full \
+    --paired attention_gate --any-mode
+  python bench/summarize_mc.py "${2}_base" --paired attention_gate
+}
 HEUR=full,streaming,window,h2o,tova,snapkv,adakv,nacl,ahakv
 
 case "${1:-all}" in
@@ -153,21 +164,14 @@ PY
     python bench/summarize_mc.py results/mc_tasks_more results/mc_headroom_a \
       results/mc_short_full --paired attention_gate --any-mode ;;
   mctaskslora) # abl_mc_tasks' gate trained on with LoRA distilled towards the frozen base
-    python train.py --config cpt_recipe --config configs/ablation/mc_short.yaml \
-      --config configs/ablation/mc_tasks.yaml --config configs/ablation/mc_tasks_all.yaml \
-      --config configs/ablation/mc_tasks_more.yaml --config configs/ablation/mc_tasks_lora.yaml
-    mc=(--checkpoint runs/abl_mc_tasks_lora/gated --tasks $TASKS7 --limit 200 --no-progress)
-    # full and the heuristics on the adapted model (gates open / the adapter on) ...
-    python -m kvgate.eval mc "${mc[@]}" --policies attention_gate,full --mode masked \
-      --out results/mc_tasks_lora
-    python -m kvgate.eval matched "${mc[@]}" --policies h2o,tova --mode masked \
-      --out results/mc_tasks_lora
-    # ... and on the frozen base, as the training-free heuristics are used
-    python -m kvgate.eval matched "${mc[@]}" --policies h2o,tova --others-on base --mode masked \
-      --out results/mc_tasks_lora_base
-    python bench/summarize_mc.py results/mc_tasks_lora results/mc_headroom_a \
-      results/mc_short_full --paired attention_gate --any-mode
-    python bench/summarize_mc.py results/mc_tasks_lora_base --paired attention_gate ;;
+    lora=(--config cpt_recipe --config configs/ablation/mc_short.yaml
+      --config configs/ablation/mc_tasks.yaml --config configs/ablation/mc_tasks_all.yaml
+      --config configs/ablation/mc_tasks_more.yaml --config configs/ablation/mc_tasks_lora.yaml)
+    python train.py "${lora[@]}"
+    lora_gate_vs_heuristics runs/abl_mc_tasks_lora/gated results/mc_tasks_lora h2o,tova
+    # the adapter's lr raised 4x
+    python train.py "${lora[@]}" --config configs/ablation/mc_tasks_lora_hi.yaml
+    lora_gate_vs_heuristics runs/abl_mc_tasks_lora_hi/gated results/mc_tasks_lora_hi h2o ;;
   headroom) # how far the best heuristics sit below the full cache on the 7 tasks (base model)
     mc=(--model smollm2-135m --tasks $TASKS7 --limit 200 --budgets 0.5,0.3 --no-progress)
     python -m kvgate.eval mc "${mc[@]}" --policies h2o --mode masked --out results/mc_headroom_a
