@@ -449,7 +449,7 @@ class KVGateModule(L.LightningModule):
             if self.gated and r.distill_weight:
                 from kvgate.recipes import teacher_logits
 
-                teacher = teacher_logits(self.model, r.distill_teacher == "adapted",
+                teacher = teacher_logits(self.model, adapters=r.distill_teacher == "adapted",
                                          input_ids=batch["input_ids"],
                                          attention_mask=batch["attention_mask"], use_cache=False)
         else:
@@ -485,9 +485,9 @@ class KVGateModule(L.LightningModule):
         with encoded_prompt(self.model, ids[:, :p]) as last:
             cont = self.model(input_ids=rest, position_ids=pos, use_cache=False).logits
             if self.recipe_cfg.distill_weight:  # reads the same stored prompt, gates open
-                t_cont = teacher_logits(self.model, self.recipe_cfg.distill_teacher == "adapted",
-                                        input_ids=rest, position_ids=pos,
-                                        use_cache=False)
+                t_cont = teacher_logits(
+                    self.model, adapters=self.recipe_cfg.distill_teacher == "adapted",
+                    input_ids=rest, position_ids=pos, use_cache=False)
                 teacher = torch.cat([last, t_cont], 1)
         # the last prompt position predicts the first continuation token; the prompt's
         # positions do not depend on the gates, so its logits carry no gradient

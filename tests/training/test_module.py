@@ -304,8 +304,8 @@ def test_lora_distils_towards_the_adapted_model_or_the_frozen_base(base_dir, tea
     module.train()
     frozen = module.model.get_output_embeddings().eval()
     ids = batch["input_ids"]
-    assert torch.equal(teacher_logits(module.model, teacher == "adapted", input_ids=ids),
-                       teacher_logits(module.model, teacher == "adapted", input_ids=ids))
+    assert torch.equal(teacher_logits(module.model, adapters=teacher == "adapted", input_ids=ids),
+                       teacher_logits(module.model, adapters=teacher == "adapted", input_ids=ids))
     assert module.model.training and not frozen.training
     module.eval()  # the student without dropout too, so gates-open student == adapted teacher
     _, terms = module.objective(batch)
