@@ -172,6 +172,17 @@ PY
     # the adapter's lr raised 4x
     python train.py "${lora[@]}" --config configs/ablation/mc_tasks_lora_hi.yaml
     lora_gate_vs_heuristics runs/abl_mc_tasks_lora_hi/gated results/mc_tasks_lora_hi h2o ;;
+  mctasksseed1) # abl_mc_tasks again with another seed (training and prompt order)
+    python train.py --config cpt_recipe --config configs/ablation/mc_short.yaml \
+      --config configs/ablation/mc_tasks.yaml --config configs/ablation/mc_tasks_seed1.yaml
+    # two halves of the tasks in two folders, so they can run side by side
+    mc=(--checkpoint runs/abl_mc_tasks_seed1/gated --limit 200 --no-progress --mode masked
+      --policies h2o)
+    python -m kvgate.eval matched "${mc[@]}" --tasks piqa,arc_easy,arc_challenge,copa \
+      --out results/mc_tasks_seed1
+    python -m kvgate.eval matched "${mc[@]}" --tasks rte,boolq,hellaswag --out results/mc_tasks_seed1_b
+    python bench/summarize_mc.py results/mc_tasks_seed1 results/mc_tasks_seed1_b \
+      results/mc_headroom_a results/mc_short_full --paired attention_gate --any-mode --merge ;;
   headroom) # how far the best heuristics sit below the full cache on the 7 tasks (base model)
     mc=(--model smollm2-135m --tasks $TASKS7 --limit 200 --budgets 0.5,0.3 --no-progress)
     python -m kvgate.eval mc "${mc[@]}" --policies h2o --mode masked --out results/mc_headroom_a
@@ -183,5 +194,5 @@ PY
     python -m kvgate.eval mc "${mc[@]}" --budgets 0.3 --out results/mc_headroom_c
     python bench/summarize_mc.py results/mc_headroom_a results/mc_headroom_b \
       results/mc_headroom_c results/mc_short_full --paired full --any-mode ;;
-  *) echo "usage: $0 base|cpt|sft|gate CKPT OUT|sfteval|ppl CKPT OUT BUDGETS|ablation|pplctx CTX CONT WINDOWS OUT GATE...|needle|mcshort|mctasks|mctasksall|mctaskslora|headroom" >&2; exit 2 ;;
+  *) echo "usage: $0 base|cpt|sft|gate CKPT OUT|sfteval|ppl CKPT OUT BUDGETS|ablation|pplctx CTX CONT WINDOWS OUT GATE...|needle|mcshort|mctasks|mctasksall|mctaskslora|mctasksseed1|headroom" >&2; exit 2 ;;
 esac

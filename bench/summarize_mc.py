@@ -8,7 +8,8 @@ Prints a markdown table: policy, budget, tasks, examples, mean acc, mean acc_nor
 ``--paired NAME`` adds, per policy, the accuracy gap NAME - policy over the examples both
 scored (same mode), with a 95% interval of that task-weighted mean difference;
 ``--paired FOLDER:NAME`` takes NAME's records from that results folder alone, so two gates
-given in two folders are paired with each other. ``--any-mode``
+given in two folders are paired with each other. ``--merge`` pools the folders of one run that
+was split over folders by task. ``--any-mode``
 pairs across modes where NAME ran in one mode only (the full cache scores the same in masked
 and cache mode).
 """
@@ -61,15 +62,22 @@ def main() -> None:
                     help="policy to pair every other policy with (FOLDER:POLICY: that folder's)")
     ap.add_argument("--any-mode", action="store_true",
                     help="pair with NAME's records of another mode where its mode has none")
+    ap.add_argument("--merge", action="store_true",
+                    help="pool the folders (one run split over folders by task): a row per "
+                         "policy over all their tasks; a task in two folders counts once")
     args = ap.parse_args()
+    if args.merge and ":" in (args.paired or ""):
+        ap.error("--merge pools the folders, so --paired cannot name one")
     groups: dict[tuple, list[dict]] = defaultdict(list)
     for d in args.dirs:
         data = json.loads((Path(d) / "results.json").read_text())
         for rec in data["results"].values():
             if rec.get("kind") not in ("mc", "matched") or not rec.get("complete", True):
                 continue
-            key = (Path(d).name, rec["kind"], rec["policy"], str(rec["budget"]), rec["mode"])
-            groups[key].append(rec)
+            folder = "merged" if args.merge else Path(d).name
+            key = (folder, rec["kind"], rec["policy"], str(rec["budget"]), rec["mode"])
+            if not any(r["task"] == rec["task"] for r in groups[key]):
+                groups[key].append(rec)
     # FOLDER:NAME pairs with NAME's records in that results folder only (two gates side by side)
     ref_dir, _, ref_policy = (args.paired or "").rpartition(":")
     paired = {key[4]: recs for key, recs in groups.items()

@@ -60,3 +60,23 @@ def test_folder_prefix_pairs_two_gates_from_two_folders(tmp_path, monkeypatch, c
     rows = [line.split("|") for line in capsys.readouterr().out.splitlines()[2:]]
     gaps = {cells[1].strip(): cells[-2].strip() for cells in rows}
     assert gaps["a"] == "" and gaps["b"].startswith("+50.00") and gaps["b"].endswith("(n=4)")
+
+
+def test_merge_pools_a_run_split_over_folders_by_task(tmp_path, monkeypatch, capsys):
+    halves = {"a": ("rte", [1, 1, 1, 1], [1, 0, 1, 1]), "b": ("copa", [1, 1, 0, 1], [0, 0, 0, 1])}
+    for name, (task, gate, h2o) in halves.items():
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "results.json").write_text(json.dumps({"meta": {}, "results": {
+            "g": record("attention_gate", "masked", gate, task),
+            "h": record("h2o", "masked", h2o, task)}}))
+    folders = [str(tmp_path / "a"), str(tmp_path / "b"), str(tmp_path / "a")]  # "a" twice
+    monkeypatch.setattr(sys, "argv", ["summarize_mc.py", *folders, "--paired", "attention_gate",
+                                      "--merge"])
+    summarize_mc.main()
+    rows = [line.split("|") for line in capsys.readouterr().out.splitlines()[2:]]
+    by_policy = {cells[3].strip(): cells for cells in rows}
+    assert set(by_policy) == {"attention_gate", "h2o"}
+    h2o = by_policy["h2o"]
+    assert h2o[6].strip() == "2" and h2o[7].strip() == "8"  # two tasks, eight examples, once
+    # task means: rte +25, copa +50 -> +37.5 over the pooled examples
+    assert h2o[-2].strip().startswith("+37.50") and h2o[-2].strip().endswith("(n=8)")
