@@ -30,6 +30,9 @@ lora_gate_vs_heuristics() {
     --paired attention_gate --any-mode
   python bench/summarize_mc.py "${2}_base" --paired attention_gate
 }
+# the config layers of abl_mc_tasks, under which its variants stack theirs
+MC_TASKS=(--config cpt_recipe --config configs/ablation/mc_short.yaml
+  --config configs/ablation/mc_tasks.yaml)
 HEUR=full,streaming,window,h2o,tova,snapkv,adakv,nacl,ahakv
 
 case "${1:-all}" in
@@ -143,29 +146,25 @@ PY
     python bench/summarize_mc.py $out results/mc_short_full --paired attention_gate
     python bench/summarize_mc.py $out results/mc_short_full --paired full --any-mode ;;
   mctasks) # abl_mc_short's gate trained on MC prompts of four other tasks (needs `cpt` first)
-    python train.py --config cpt_recipe --config configs/ablation/mc_short.yaml \
-      --config configs/ablation/mc_tasks.yaml
+    python train.py "${MC_TASKS[@]}"
     gate_vs_best_heuristics runs/abl_mc_tasks/gated results/mc_tasks
     python bench/summarize_mc.py results/mc_tasks results/mc_tasks_b results/mc_short_full \
       --paired full --any-mode ;;
   mctasksall) # abl_mc_tasks' gate trained on with every answer choice distilled (needs `mctasks`)
-    python train.py --config cpt_recipe --config configs/ablation/mc_short.yaml \
-      --config configs/ablation/mc_tasks.yaml --config configs/ablation/mc_tasks_all.yaml
+    all=("${MC_TASKS[@]}" --config configs/ablation/mc_tasks_all.yaml)
+    python train.py "${all[@]}"
     gate_vs_best_heuristics runs/abl_mc_tasks_all/gated results/mc_tasks_all
     # against the heuristics at the fixed 50% budget (`headroom`) and the full cache
     python bench/summarize_mc.py results/mc_tasks_all results/mc_headroom_a \
       results/mc_headroom_b results/mc_short_full --paired attention_gate --any-mode
     # its control: the same 80 more steps on the gold answer alone
-    python train.py --config cpt_recipe --config configs/ablation/mc_short.yaml \
-      --config configs/ablation/mc_tasks.yaml --config configs/ablation/mc_tasks_all.yaml \
-      --config configs/ablation/mc_tasks_more.yaml
+    python train.py "${all[@]}" --config configs/ablation/mc_tasks_more.yaml
     python -m kvgate.eval matched --checkpoint runs/abl_mc_tasks_more/gated --tasks $TASKS7 \
       --limit 200 --no-progress --policies h2o --mode masked --out results/mc_tasks_more
     python bench/summarize_mc.py results/mc_tasks_more results/mc_headroom_a \
       results/mc_short_full --paired attention_gate --any-mode ;;
   mctaskslora) # abl_mc_tasks' gate trained on with LoRA distilled towards the frozen base
-    lora=(--config cpt_recipe --config configs/ablation/mc_short.yaml
-      --config configs/ablation/mc_tasks.yaml --config configs/ablation/mc_tasks_all.yaml
+    lora=("${MC_TASKS[@]}" --config configs/ablation/mc_tasks_all.yaml
       --config configs/ablation/mc_tasks_more.yaml --config configs/ablation/mc_tasks_lora.yaml)
     python train.py "${lora[@]}"
     lora_gate_vs_heuristics runs/abl_mc_tasks_lora/gated results/mc_tasks_lora h2o,tova
@@ -173,8 +172,7 @@ PY
     python train.py "${lora[@]}" --config configs/ablation/mc_tasks_lora_hi.yaml
     lora_gate_vs_heuristics runs/abl_mc_tasks_lora_hi/gated results/mc_tasks_lora_hi h2o ;;
   mctasksseed1) # abl_mc_tasks again with another seed (training and prompt order)
-    python train.py --config cpt_recipe --config configs/ablation/mc_short.yaml \
-      --config configs/ablation/mc_tasks.yaml --config configs/ablation/mc_tasks_seed1.yaml
+    python train.py "${MC_TASKS[@]}" --config configs/ablation/mc_tasks_seed1.yaml
     # two halves of the tasks in two folders, so they can run side by side
     mc=(--checkpoint runs/abl_mc_tasks_seed1/gated --limit 200 --no-progress --mode masked
       --policies h2o)
