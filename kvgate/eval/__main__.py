@@ -344,7 +344,8 @@ def run(args: argparse.Namespace) -> int:
     if args.command == "mc":
         mc.evaluate_mc(model, tokenizer, tasks, policies, budgets, args.mode, store,
                        args.batch_size, args.max_length, progress)
-        gated = {n: p for n, p in policies.items() if p.name == "attention_gate"}
+        # thresholded gates (a ranked one has budgets: the `pattern` command draws it)
+        gated = {n: p for n, p in policies.items() if p.name == "attention_gate" and p.budget_free}
         if gated and args.patterns:
             extra_paths = write_patterns(model, tokenizer, tasks, gated, Budget(ratio=1.0),
                                          args.patterns, out)
@@ -355,7 +356,8 @@ def run(args: argparse.Namespace) -> int:
                             progress, others)
         if args.patterns and reference.name == "attention_gate":
             extra_paths = write_patterns(model, tokenizer, tasks, {ref_label: reference},
-                                         Budget(ratio=1.0), args.patterns, out)
+                                         Budget(ratio=1.0) if reference.budget_free else ref_budget,
+                                         args.patterns, out)
     elif args.command == "needle":
         nd.evaluate_needle(model, tokenizer, load_texts(args), lengths, depths, policies,
                            budgets, store, args.scoring, args.mode, args.samples,

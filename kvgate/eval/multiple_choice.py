@@ -46,8 +46,6 @@ from kvgate.inference import Engine
 from kvgate.policies.base import Budget, Policy
 
 MODES = ("masked", "cache")
-# policies whose keep ignores the budget: evaluated once, under the budget label "none"
-BUDGET_FREE = ("full", "attention_gate")
 
 
 def check_mode(mode: str) -> str:
@@ -274,7 +272,8 @@ def evaluate_mc(model: nn.Module, tokenizer: Any, tasks: Mapping[str, Sequence[M
                 progress: bool = True) -> list[str]:
     """Every (task, policy, budget) at fixed budgets; returns the result keys.
 
-    Budget-free policies (``full``, ``attention_gate``) run once under the label ``none``.
+    Budget-free policies (``full``, the thresholded ``attention_gate``: ``Policy.budget_free``)
+    run once under the label ``none``.
     """
     check_mode(mode)
     items = tokenize_tasks(tasks, tokenizer, max_length)
@@ -282,7 +281,7 @@ def evaluate_mc(model: nn.Module, tokenizer: Any, tasks: Mapping[str, Sequence[M
     keys = []
     for task, task_items in items.items():
         for name, policy in policies.items():
-            buds: Sequence[Budget | None] = [None] if policy.name in BUDGET_FREE else budgets
+            buds: Sequence[Budget | None] = [None] if policy.budget_free else budgets
             for bud in buds:
                 key = make_key("mc", task, name, budget_label(bud), mode)
                 fixed = bud or Budget(ratio=1.0)
@@ -313,7 +312,7 @@ def evaluate_matched(model: nn.Module, tokenizer: Any, tasks: Mapping[str, Seque
     context the other policies run in (e.g. peft's ``disable_adapter``: the frozen base)."""
     check_mode(mode)
     ref_name = reference_name or reference.name
-    ref_budget = None if reference.name in BUDGET_FREE else (reference_budget or Budget(ratio=0.5))
+    ref_budget = None if reference.budget_free else (reference_budget or Budget(ratio=0.5))
     ref_label = budget_label(ref_budget)
     items = tokenize_tasks(tasks, tokenizer, max_length)
     pad = pad_id(tokenizer)

@@ -34,7 +34,6 @@ from torch import nn
 
 from kvgate.eval.masked import EvalError, ScoringItem, model_device, model_shape, pad_id
 from kvgate.eval.multiple_choice import (
-    BUDGET_FREE,
     check_mode,
     encode,
     evict_summary,
@@ -236,7 +235,7 @@ def evaluate_needle(model: nn.Module, tokenizer: Any, texts: Sequence[str],
             extra = {"length": int(length), "depth": float(depth),
                      "actual_depth": sum(ex.actual_depth for ex in examples) / len(examples)}
             for name, policy in policies.items():
-                buds: Sequence[Budget | None] = [None] if policy.name in BUDGET_FREE else budgets
+                buds: Sequence[Budget | None] = [None] if policy.budget_free else budgets
                 for bud in buds:
                     fixed = bud or Budget(ratio=1.0)
                     key = make_key("needle", f"{length}@{depth:g}", name, budget_label(bud),
@@ -349,7 +348,7 @@ def evaluate_ppl(model: nn.Module, tokenizer: Any, texts: Sequence[str],
     pad = pad_id(tokenizer)
     keys = []
     for pname, policy in policies.items():
-        buds: Sequence[Budget | None] = [None] if policy.name in BUDGET_FREE else budgets
+        buds: Sequence[Budget | None] = [None] if policy.budget_free else budgets
         for bud in buds:
             fixed = bud or Budget(ratio=1.0)
             task = name if context is None else f"{name}@{context}+{continuation}"

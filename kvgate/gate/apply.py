@@ -9,6 +9,7 @@ from torch import Tensor, nn
 
 from kvgate.attention.gated import gated_attention
 from kvgate.cache.prefill import new_token_validity
+from kvgate.gate.config import GateConfig
 from kvgate.models.dispatch import context
 from kvgate.policies.base import last_real
 
@@ -52,22 +53,56 @@ def compute_gate(module: nn.Module, hidden: Tensor, position_embeddings, valid: 
     ``tau`` overrides the gate's keep threshold; ``previous_hidden`` is the previous layer's
     input for a ``previous_layer`` gate when it is not this forward's (a stored prompt)."""
     gate_mod = module.kv_gate
-    cfg = gate_mod.config
-    b, n = valid.shape
-    if cfg.previous_layer and gate_mod.previous is not None:
-        prev_hidden = previous_hidden
-        if prev_hidden is None:
-            prev_hidden = context(gate_mod.previous).get("hidden")
-        if prev_hidden is not None and prev_hidden.shape[:2] == hidden.shape[:2]:
-            hidden = prev_hidden
-    counted = valid.clone()
-    if prompt is not None and (cfg.mode == "prompt_bidirectional" or cfg.prefill == "full"):
-        counted &= prompt  # only prompt tokens can be evicted
-    if module.layer_idx < cfg.ungated_layers:
-        gate = torch.ones(b, gate_mod.out_heads, n, device=hidden.device)
+    counted = counted_tokens(gate_mod.config, valid, prompt)
+    if module.layer_idx < gate_mod.config.ungated_layers:
+        gate = torch.ones(valid.shape[0], gate_mod.out_heads, valid.shape[1], device=valid.device)
         return GateRecord(gate, counted)
-    attend = gate_attend_mask(valid, prompt, cfg.mode)
-    gate = gate_mod(hidden, position_embeddings, attend, tau=tau)
+    hidden = gate_input(module, hidden, previous_hidden)
+    gate = gate_mod(hidden, position_embeddings, gate_attend_mask(valid, prompt, gate_mod.config.mode),
+                    tau=tau)
+    forced = forced_tokens(gate_mod.config, valid, counted, prompt)
+    gate = torch.where(forced[:, None, :], torch.ones_like(gate), gate)
+    return GateRecord(gate, counted)
+
+
+def gate_ranking(module: nn.Module, hidden: Tensor, position_embeddings, valid: Tensor,
+                 prompt: Tensor | None = None) -> tuple[Tensor | None, Tensor]:
+    """What ranking a layer's tokens by its gate needs (inference, no threshold): the raw scores
+    [B, H_gate, n] (higher = keep; None in an ungated layer, which keeps everything) and the
+    tokens the gate always keeps [B, n] (sinks, the one-shot recent tokens, non-prompt)."""
+    gate_mod = module.kv_gate
+    counted = counted_tokens(gate_mod.config, valid, prompt)
+    if module.layer_idx < gate_mod.config.ungated_layers:
+        return None, valid
+    scores = gate_mod.scores(gate_input(module, hidden, None), position_embeddings,
+                             gate_attend_mask(valid, prompt, gate_mod.config.mode))
+    return scores, forced_tokens(gate_mod.config, valid, counted, prompt)
+
+
+def gate_input(module: nn.Module, hidden: Tensor, previous_hidden: Tensor | None) -> Tensor:
+    """The hidden states the gate reads: the layer's own, or a ``previous_layer`` gate's."""
+    gate_mod = module.kv_gate
+    if not (gate_mod.config.previous_layer and gate_mod.previous is not None):
+        return hidden
+    prev_hidden = previous_hidden
+    if prev_hidden is None:
+        prev_hidden = context(gate_mod.previous).get("hidden")
+    if prev_hidden is not None and prev_hidden.shape[:2] == hidden.shape[:2]:
+        return prev_hidden
+    return hidden
+
+
+def counted_tokens(cfg: GateConfig, valid: Tensor, prompt: Tensor | None) -> Tensor:
+    """[B, n] bool: the tokens whose flags count (padding and, when the gate acts on the
+    prompt alone, non-prompt tokens excluded)."""
+    if prompt is not None and (cfg.mode == "prompt_bidirectional" or cfg.prefill == "full"):
+        return valid & prompt  # only prompt tokens can be evicted
+    return valid.clone()
+
+
+def forced_tokens(cfg: GateConfig, valid: Tensor, counted: Tensor, prompt: Tensor | None) -> Tensor:
+    """[B, n] bool: tokens kept whatever the gate says (uncounted ones, sinks, and a one-shot
+    gate's last ``recent`` prompt tokens)."""
     forced = ~counted
     if cfg.sinks:
         # the first `sinks` real tokens of each sequence (left padding shifts them)
@@ -76,10 +111,9 @@ def compute_gate(module: nn.Module, hidden: Tensor, position_embeddings, valid: 
     if cfg.prefill == "full" and cfg.recent and prompt is not None:
         # one-shot: the last `recent` prompt tokens stay in the cache, as inference keeps them,
         # so training sees exactly the cache it will be used with (and counts them as kept)
-        recent = torch.full((b,), cfg.recent, device=valid.device)
+        recent = torch.full((valid.shape[0],), cfg.recent, device=valid.device)
         forced = forced | last_real(prompt & valid, recent)[:, 0]
-    gate = torch.where(forced[:, None, :], torch.ones_like(gate), gate)
-    return GateRecord(gate, counted)
+    return forced
 
 
 def gated_layer_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor,

@@ -1,7 +1,7 @@
 """The learned policy: keep flags from the Attention-Gates of a patched (exported) model.
 
 The gate decides per token and KV head; the budget does not enter (the eviction ratio is
-whatever the gate learned, reported as %Evict). The flags are applied *inside* the prefill as
+whatever the gate learned, reported as %Evict), unless ``rank`` is set. The flags are applied *inside* the prefill as
 the paper's eq. 5 (``encode_mask``: later prompt rows see only kept entries), then the cache
 is compacted to the kept entries. Decode tokens are not gated.
 
@@ -13,6 +13,13 @@ which tokens will end the prompt; the tail supplies that. Tail tokens count as k
 ``tau`` (inference option, default: the trained gate's): the keep threshold on
 ``sigmoid(score + gamma)``. A higher one evicts more, so one trained gate can be run at several
 eviction ratios, the way a heuristic takes a budget; the gate never trained at that threshold.
+
+``rank`` (inference option, default False): keep the entries with the highest gate scores at
+the budget, per KV head, as a scored heuristic does, instead of thresholding. The gate's
+protected tokens (sinks, recent, tail) come first and count towards the budget; an ungated layer
+keeps everything. It runs a gate at exactly a heuristic's budget (the same kept count per head),
+and at any eviction ratio without retraining. With per-query-head gates a KV entry scores the
+maximum over its group, the ranking's form of the threshold's union.
 
 ``prefill`` (inference option, default: as the gate trained, ``GateConfig.prefill``):
 ``"gated"`` is the paper's in-prefill eviction above, which also saves prefill attention.
@@ -39,9 +46,11 @@ from kvgate.policies.base import (
     PolicyError,
     check_choice,
     check_share,
+    keep_all,
     last_real,
     option_error,
     resolve_share,
+    select_topk,
 )
 
 
@@ -55,45 +64,72 @@ class AttentionGatePolicy(Policy):
     tail: float | int = 0
     tau: float | None = None
     prefill: str | None = None
+    rank: bool = False
 
     def __post_init__(self) -> None:
         check_share(self.name, "tail", self.tail)
+        if not isinstance(self.rank, bool):
+            raise option_error(self.name, "rank", "must be true or false", self.rank)
         if self.prefill is not None:
             check_choice(self.name, "prefill", self.prefill, get_args(GatePrefill))
         if self.tau is not None and (isinstance(self.tau, bool) or not isinstance(self.tau, (int, float))
                                      or not 0.0 < self.tau < 1.0):
             raise option_error(self.name, "tau", "must be a number in (0, 1)", self.tau)
+        if self.rank and self.tau is not None:
+            raise option_error(self.name, "tau", "has no effect with rank=true (the budget sets "
+                               "the eviction)", self.tau)
+
+    @property
+    def budget_free(self) -> bool:  # a ranked gate is run at budgets, as the heuristics are
+        return not self.rank
 
     def keep(self, prompt: LayerPrompt, budget: Budget | None = None) -> Tensor:
         """[B, H_kv, n] bool from the layer's gate (per-query-head gates: union over the
         group, since a KV entry must stay if any query head that reads it keeps it)."""
-        from kvgate.gate.apply import compute_gate
+        from kvgate.gate.apply import compute_gate, gate_ranking
         from kvgate.models.dispatch import context
 
+        if self.rank and budget is None:
+            raise PolicyError("policy attention_gate with rank=true keeps the top gate scores at "
+                              "a budget: give one")
         module = prompt.module
         if module is None or not hasattr(module, "kv_gate"):
             raise PolicyError("policy attention_gate needs a gated model: load an exported "
                               "checkpoint (--checkpoint DIR) or call kvgate.patch first")
         if prompt.hidden is None:
             raise PolicyError("policy attention_gate needs the layer's hidden states")
-        # at prefill the whole prompt is known: a prompt_bidirectional gate sees all of it
-        record = compute_gate(module, prompt.hidden, context(module).get("position_embeddings"),
-                              prompt.valid, prompt=prompt.valid, tau=self.tau)
-        flags = record.gate.detach() > 0.5  # [B, H_gate, n]
-        hk = prompt.key.shape[1]
-        if flags.shape[1] != hk:
-            flags = flags.view(flags.shape[0], hk, -1, flags.shape[-1]).any(2)
         config = module.kv_gate.config
         # the caches read encode_mask per instance after keep(): "full" makes this a one-shot
         # policy (full prefill attention, then the cache keeps the flagged entries)
         self.encode_mask = (self.prefill or config.prefill) == "gated"
-        recent = config.recent
         # the prefill must show each query its last `recent` keys, as training did (the cache
         # reads this after keep())
-        self.encode_recent = recent
+        self.encode_recent = config.recent
         # the last `recent` prompt tokens stay (every later query would see them anyway), and
         # the inference-time tail if it is longer
         n_real = prompt.valid.sum(-1)
-        last = torch.maximum(resolve_share(self.tail, n_real), resolve_share(recent, n_real))
-        flags = flags | last_real(prompt.valid, last)
-        return flags & prompt.valid[:, None, :]
+        last = last_real(prompt.valid, torch.maximum(resolve_share(self.tail, n_real),
+                                                     resolve_share(config.recent, n_real)))
+        hk = prompt.key.shape[1]
+        position_embeddings = context(module).get("position_embeddings")
+        # both read prompt=valid: at prefill the whole prompt is known, and a
+        # prompt_bidirectional gate sees all of it
+        if self.rank:
+            scores, forced = gate_ranking(module, prompt.hidden, position_embeddings, prompt.valid,
+                                          prompt=prompt.valid)
+            if scores is None:
+                return keep_all(prompt)
+            scores = by_kv_head(scores, hk, "amax")
+            forced = (forced[:, None, :] | last).expand_as(scores)
+            return select_topk(scores, budget.per_sample(n_real), forced, prompt.valid)
+        record = compute_gate(module, prompt.hidden, position_embeddings, prompt.valid,
+                              prompt=prompt.valid, tau=self.tau)
+        flags = by_kv_head(record.gate.detach() > 0.5, hk, "any")  # [B, H_kv, n]
+        return (flags | last) & prompt.valid[:, None, :]
+
+
+def by_kv_head(x: Tensor, hk: int, reduce: str) -> Tensor:
+    """[B, H_gate, n] -> [B, H_kv, n]: per-query-head gates reduced over each KV group."""
+    if x.shape[1] == hk:
+        return x
+    return getattr(x.view(x.shape[0], hk, -1, x.shape[-1]), reduce)(2)

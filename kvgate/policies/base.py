@@ -102,12 +102,15 @@ class Policy:
     ``needs_attention``: True when ``keep`` needs attention probabilities (so the attention
     backend must be able to produce them).
     ``decode_eviction``: True when the policy also holds the cache at a budget while decoding.
+    ``budget_free``: True when ``keep`` ignores the budget (the full cache, the thresholded
+    gate); an evaluation then runs it once, not once per budget.
     """
 
     name: str = "base"
     encode_mask: bool = False
     needs_attention: bool = False
     decode_eviction: bool = False
+    budget_free: bool = False
 
     def keep(self, prompt: LayerPrompt, budget: Budget) -> Tensor:
         """Return ``[B, H_kv, n]`` bool. Padding positions must be False."""

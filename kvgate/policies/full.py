@@ -14,6 +14,7 @@ class Full(Policy):
     """Keeps every real entry whatever the budget (the budget is ignored on purpose)."""
 
     name = "full"
+    budget_free = True
 
     def keep(self, prompt: LayerPrompt, budget: Budget) -> Tensor:
         """``[B, H_kv, n]`` bool: True exactly at the real (non-padding) positions."""

@@ -189,3 +189,94 @@ def test_attention_gate_tau_is_checked(bad):
 
     with pytest.raises(PolicyError, match="tau"):
         get_policy("attention_gate", tau=bad)
+
+
+class _SeenGate:
+    """An attention_gate policy that records each layer's prompt and keep mask."""
+
+    def __init__(self, **options):
+        self.policy = get_policy("attention_gate", **options)
+        self.seen = []
+        outer = self
+
+        class Spy(type(self.policy)):
+            def keep(self, prompt, budget=None):
+                kept = super().keep(prompt, budget)
+                outer.seen.append((prompt, kept))
+                return kept
+
+        self.policy = Spy(**options)
+
+
+def _gated_prefill(model, config, budget, **options):
+    """Per-layer keep masks of a left-padded prefill through the cache, and the cache."""
+    from kvgate.gate import patch, unpatch
+    from kvgate.models import dispatch
+
+    ids = torch.randint(1, 128, (2, 20), generator=torch.Generator().manual_seed(3))
+    mask = torch.ones_like(ids)
+    mask[1, :7] = 0  # 13 real tokens
+    torch.manual_seed(0)  # the same random gate weights every time
+    patch(model, config)
+    try:
+        dispatch.install(model)
+        spy = _SeenGate(**options)
+        cache = CompressedCache(model, spy.policy, budget)
+        with torch.no_grad():
+            model(ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
+                  past_key_values=cache)
+        return [kept for _, kept in spy.seen], cache, spy
+    finally:
+        unpatch(model)
+
+
+@pytest.mark.parametrize("prefill, target", [("gated", "kv"), ("full", "kv"), ("full", "query")])
+def test_ranked_gate_keeps_the_budget_per_head_with_its_protected_tokens(model, prefill, target):
+    """rank=true keeps exactly ceil(n x ratio) entries of every KV head and row (left padding
+    excluded), the sinks and the recent prompt tokens among them, in every layer; also with a
+    gate per query head (two per KV head here)."""
+    from kvgate.gate import GateConfig
+
+    config = GateConfig(gamma=0.0, sinks=2, recent=3, prefill=prefill, target=target)
+    keeps, cache, _ = _gated_prefill(model, config, Budget(ratio=0.4), rank=True)
+    want = [8, 6]  # ceil(20 x 0.4), ceil(13 x 0.4)
+    for layer, kept in enumerate(keeps):
+        assert kept.sum(-1).tolist() == [[w] * kept.shape[1] for w in want]
+        assert cache.kept_counts(layer).tolist() == [[w] * kept.shape[1] for w in want]
+        assert kept[0, :, :2].all() and kept[1, :, 7:9].all()  # the first 2 real tokens
+        assert kept[:, :, -3:].all()  # the last 3 prompt tokens
+        assert not kept[1, :, :7].any()  # padding
+
+
+def test_ranked_and_thresholded_gates_keep_nested_sets_of_the_same_scores(model):
+    """The ranking reads the scores the threshold reads: in every head the ranked keep set
+    and the thresholded one are nested (both are top sets of one score), and budgets nest."""
+    from kvgate.gate import GateConfig
+
+    config = GateConfig(gamma=0.0, sinks=1)
+    flags, _, _ = _gated_prefill(model, config, Budget(ratio=1.0), prefill="full")
+    low, _, _ = _gated_prefill(model, config, Budget(ratio=0.3), rank=True, prefill="full")
+    high, _, _ = _gated_prefill(model, config, Budget(ratio=0.6), rank=True, prefill="full")
+    for f, lo, hi in zip(flags, low, high):
+        assert not (lo & ~hi).any()  # a smaller budget keeps a subset
+        for ranked in (lo, hi):
+            sub = ~(ranked & ~f).flatten(0, 1).any(-1)  # ranked within the flags, per head
+            sup = ~(f & ~ranked).flatten(0, 1).any(-1)  # the flags within ranked
+            assert bool((sub | sup).all())
+    # the random gate is not degenerate: some head keeps a different count than the budget
+    assert any(bool((f.sum(-1) != lo.sum(-1)).any()) for f, lo in zip(flags, low))
+
+
+def test_ranked_gate_needs_a_budget_and_takes_no_tau(model):
+    from kvgate.gate import GateConfig
+    from kvgate.policies.base import PolicyError
+
+    _, _, spy = _gated_prefill(model, GateConfig(gamma=0.0), Budget(ratio=0.5), rank=True)
+    prompt, _ = spy.seen[0]
+    with pytest.raises(PolicyError, match="rank=true.*budget"):
+        spy.policy.keep(prompt, None)
+    with pytest.raises(PolicyError, match="tau"):
+        get_policy("attention_gate", rank=True, tau=0.7)
+    with pytest.raises(PolicyError, match="rank"):
+        get_policy("attention_gate", rank="yes")
+    assert get_policy("attention_gate").budget_free and not spy.policy.budget_free

@@ -172,6 +172,28 @@ def test_matched_budgets_pass_each_examples_ratio(tiny_llama, tmp_path):
     assert called == pytest.approx(sorted(ratios.values()))
 
 
+def test_ranked_gate_runs_at_each_budget_beside_the_thresholded_one(tiny_llama, tmp_path):
+    """The thresholded gate runs once (label none); a ranked one (rank=true) once per budget,
+    evicting what the budget says, as a heuristic at the same budgets does."""
+    torch.manual_seed(5)
+    patch(tiny_llama, GateConfig(gamma=0.0))
+    policies = {"gate": get_policy("attention_gate"),
+                "ranked": get_policy("attention_gate", rank=True),
+                "h2o": get_policy("h2o")}
+    st = store(tmp_path)
+    keys = evaluate_mc(tiny_llama, TOK, {"toy": examples(6)}, policies,
+                       [Budget(ratio=0.25), Budget(ratio=0.75)], "masked", st, batch_size=6,
+                       progress=False)
+    assert [k.split("|")[2:4] for k in keys] == [
+        ["gate", "none"], ["ranked", "0.25"], ["ranked", "0.75"], ["h2o", "0.25"], ["h2o", "0.75"]]
+    res = {tuple(k.split("|")[2:4]): st.results[k] for k in keys}
+    for ratio in ("0.25", "0.75"):
+        ranked, h2o = res["ranked", ratio], res["h2o", ratio]
+        for uid, r in ranked["examples"].items():
+            assert r["evict"] == pytest.approx(h2o["examples"][uid]["evict"])  # same kept counts
+    assert res["ranked", "0.25"]["evict_pct"] > res["ranked", "0.75"]["evict_pct"]
+
+
 def test_evict_summary_sample_mean_and_token_weighted():
     recs = {"a": {"kept": 1, "total": 4, "evict": 0.75}, "b": {"kept": 6, "total": 12, "evict": 0.5}}
     s = evict_summary(recs)
