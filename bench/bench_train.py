@@ -16,6 +16,10 @@ the speed-up (target >= 2x). With ``--prefill full`` (one-shot gates, ``--contin
 of each block scored) a third regime, ``kvgate_whole``, runs kvgate's kernel over the whole
 block as the materialised regime does, while ``kvgate`` encodes the prompt once without autograd
 (``kvgate.gate.prefix``: same loss and gradients), so the two speed-ups are told apart.
+``--bound`` adds ``attention_free``: the same step with the gated attention replaced by an
+elementwise stand-in that costs next to nothing (q, k, v and the gate stay in the graph, so the
+rest of the backward is unchanged). materialised / attention_free is the ceiling of what any
+gated-attention kernel can gain on that step (Amdahl): where it is below 2, no kernel reaches 2x.
 
 Each timed step is forward + loss + backward + AdamW step of ``KVGateModule.training_step``.
 The regimes alternate step by step (A, B, A, B, ...) on the same batches, so drifting load
@@ -50,14 +54,27 @@ def materialised(q, k, v, gate, allowed=None, scaling=None, recent=0, chunk=None
                                      prompt=prompt)
 
 
+def attention_free(q, k, v, gate, allowed=None, scaling=None, recent=0, chunk=None, prompt=None):
+    """Not attention: an O(n d) stand-in with the kernel's signature and output shape whose
+    output depends on q, k, v and the gate, so every gradient path of the step stays open."""
+    group = q.shape[1] // k.shape[1]
+    rows = slice(k.shape[2] - q.shape[2], None)  # queries are the last rows of the keys
+    flags = gate if gate.shape[1] == q.shape[1] else gate.repeat_interleave(group, 1)
+    kv = (k + v).repeat_interleave(group, 1)[:, :, rows]
+    return q + kv * flags[:, :, rows, None].to(q.dtype)
+
+
+IMPLEMENTATIONS = {"materialised": materialised, "attention_free": attention_free}
+
+
 @contextmanager
 def attention_impl(name: str):
-    """Route the gated layers through ``name`` ('kvgate' or 'materialised') for a block."""
+    """Route the gated layers through ``name`` ('kvgate' or an IMPLEMENTATIONS key) for a block."""
     if name == "kvgate":
         yield
         return
     saved = gate_apply.gated_attention
-    gate_apply.gated_attention = materialised
+    gate_apply.gated_attention = IMPLEMENTATIONS[name]
     try:
         yield
     finally:
@@ -117,6 +134,8 @@ def main() -> int:
     parser.add_argument("--distill-weight", type=float, default=0.0,
                         help="recipe.distill_weight (the teacher's forward is part of a step)")
     parser.add_argument("--lm-weight", type=float, default=1.0, help="recipe.lm_weight")
+    parser.add_argument("--bound", action="store_true",
+                        help="--pair materialised: also time the step with attention at ~no cost")
     args = parser.parse_args()
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         raise SystemExit(f"--device {args.device}: no CUDA device here")
@@ -137,9 +156,11 @@ def main() -> int:
         # one module, several routes: identical weights, so only the computation differs
         names = ["kvgate", "kvgate_whole", "materialised"] if args.prefill == "full" else [
             "kvgate", "materialised"]
+        names += ["attention_free"] if args.bound else []
         regimes = {name: (module, opt) for name in names}
-        impl = {name: "materialised" if name == "materialised" else "kvgate" for name in names}
-        split = {"kvgate_whole": False, "materialised": False}
+        impl = {name: name if name in IMPLEMENTATIONS else "kvgate" for name in names}
+        # the whole block, as the materialised regime runs it
+        split = {"kvgate_whole": False, "materialised": False, "attention_free": False}
     data = CPTDataModule(source="files" if args.files else "embedded", files=args.files,
                          max_docs=200, seq_len=args.seq_len, batch_size=args.batch,
                          val_fraction=0.0, continuation=args.continuation)
@@ -186,10 +207,10 @@ def main() -> int:
           f"continuation={args.continuation} distill_weight={args.distill_weight}")
     for name in regimes:
         if name in failed:
-            print(f"  {name:<11} {failed[name]}")
+            print(f"  {name:<14} {failed[name]}")
             continue
         mem = f", peak {peak[name] / 2**30:.2f} GiB" if cuda else ""
-        print(f"  {name:<11} {tps[name]:8.1f} tokens/s  ({seconds[name] / args.steps:.2f} s/step{mem})")
+        print(f"  {name:<14} {tps[name]:8.1f} tokens/s  ({seconds[name] / args.steps:.2f} s/step{mem})")
     a, b = ("lora", "gates_lora") if args.pair == "lora" else ("kvgate", "materialised")
     if failed:
         print(f"no ratio: {', '.join(failed)} failed")
@@ -198,6 +219,10 @@ def main() -> int:
     else:
         print(f"speed-up kvgate vs materialised gated attention: {tps[a] / tps[b]:.3f}x "
               f"(target >= 2x)" + (f"; peak memory {peak[a] / peak[b]:.2f}x" if cuda else ""))
+        if "attention_free" in tps:
+            print(f"  ceiling, materialised vs attention_free (attention at no cost): "
+                  f"{tps['attention_free'] / tps[b]:.3f}x; kvgate reaches "
+                  f"{(tps[a] / tps[b] - 1) / (tps['attention_free'] / tps[b] - 1):.0%} of that gain")
         if "kvgate_whole" in tps:
             print(f"  of which two passes (kvgate vs kvgate_whole): "
                   f"{tps['kvgate'] / tps['kvgate_whole']:.3f}x; kernel (kvgate_whole vs "

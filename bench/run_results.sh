@@ -181,6 +181,24 @@ PY
     python -m kvgate.eval matched "${mc[@]}" --tasks rte,boolq,hellaswag --out results/mc_tasks_seed1_b
     python bench/summarize_mc.py results/mc_tasks_seed1 results/mc_tasks_seed1_b \
       results/mc_headroom_a results/mc_short_full --paired attention_gate --any-mode --merge ;;
+  mctasksbidir) # abl_mc_tasks with a gate that reads the whole prompt (needs `cpt`)
+    python train.py "${MC_TASKS[@]}" --config configs/ablation/mc_tasks_bidir.yaml
+    mc=(--checkpoint runs/abl_mc_tasks_bidir/gated --limit 200 --no-progress --mode masked
+      --policies h2o,tova)
+    python -m kvgate.eval matched "${mc[@]}" --tasks piqa,arc_easy,arc_challenge,copa \
+      --out results/mc_tasks_bidir
+    python -m kvgate.eval matched "${mc[@]}" --tasks rte,boolq,hellaswag --out results/mc_tasks_bidir_b
+    python bench/summarize_mc.py results/mc_tasks_bidir results/mc_tasks_bidir_b \
+      results/mc_headroom_a results/mc_short_full --paired attention_gate --any-mode --merge ;;
+  mctasksranked) # abl_mc_tasks' gate ranking at the heuristics' fixed budgets (needs `mctasks`)
+    for b in 0.5 0.3; do
+      python -m kvgate.eval mc --checkpoint runs/abl_mc_tasks/gated --tasks $TASKS7 --limit 200 \
+        --no-progress --mode masked --policies ranked=attention_gate --policy-opt ranked.rank=true \
+        --budgets $b --out results/mc_tasks_ranked_${b/./}0
+    done
+    python bench/summarize_mc.py results/mc_tasks_ranked_050 results/mc_tasks_ranked_030 \
+      results/mc_headroom_a results/mc_headroom_b results/mc_headroom_c --paired ranked \
+      --same-budget --any-mode ;;
   headroom) # how far the best heuristics sit below the full cache on the 7 tasks (base model)
     mc=(--model smollm2-135m --tasks $TASKS7 --limit 200 --budgets 0.5,0.3 --no-progress)
     python -m kvgate.eval mc "${mc[@]}" --policies h2o --mode masked --out results/mc_headroom_a

@@ -8,8 +8,10 @@ Prints a markdown table: policy, budget, tasks, examples, mean acc, mean acc_nor
 ``--paired NAME`` adds, per policy, the accuracy gap NAME - policy over the examples both
 scored (same mode), with a 95% interval of that task-weighted mean difference;
 ``--paired FOLDER:NAME`` takes NAME's records from that results folder alone, so two gates
-given in two folders are paired with each other. ``--merge`` pools the folders of one run that
-was split over folders by task. ``--any-mode``
+given in two folders are paired with each other (``FOLDER,FOLDER:NAME``: a gate whose run was
+split over folders by task). ``--same-budget`` pairs each row with NAME's
+record at the same budget (NAME run at several fixed budgets, e.g. a ranked gate). ``--merge``
+pools the folders of one run that was split over folders by task. ``--any-mode``
 pairs across modes where NAME ran in one mode only (the full cache scores the same in masked
 and cache mode).
 """
@@ -62,6 +64,8 @@ def main() -> None:
                     help="policy to pair every other policy with (FOLDER:POLICY: that folder's)")
     ap.add_argument("--any-mode", action="store_true",
                     help="pair with NAME's records of another mode where its mode has none")
+    ap.add_argument("--same-budget", action="store_true",
+                    help="pair with NAME's record at the row's own budget (NAME at several)")
     ap.add_argument("--merge", action="store_true",
                     help="pool the folders (one run split over folders by task): a row per "
                          "policy over all their tasks; a task in two folders counts once")
@@ -80,8 +84,20 @@ def main() -> None:
                 groups[key].append(rec)
     # FOLDER:NAME pairs with NAME's records in that results folder only (two gates side by side)
     ref_dir, _, ref_policy = (args.paired or "").rpartition(":")
-    paired = {key[4]: recs for key, recs in groups.items()
-              if key[2] == ref_policy and (not ref_dir or key[0] == ref_dir)}
+    ref_dirs = set(ref_dir.split(",")) if ref_dir else set()
+
+    def is_reference(key: tuple) -> bool:
+        return key[2] == ref_policy and (not ref_dirs or key[0] in ref_dirs)
+
+    # keyed by mode, and by budget too with --same-budget
+    def pair_key(key: tuple) -> tuple:
+        return key[4], key[3] if args.same_budget else None
+
+    paired: dict[tuple, list[dict]] = {}
+    for key, recs in groups.items():
+        if is_reference(key):
+            pooled = paired.setdefault(pair_key(key), [])
+            pooled += [r for r in recs if all(p["task"] != r["task"] for p in pooled)]
     extra = " gap vs paired, 95% CI (shared examples) |" if args.paired else ""
     print("| results | kind | policy | budget | mode | tasks | examples | acc % | acc_norm % | "
           "%Evict |" + extra)
@@ -92,16 +108,17 @@ def main() -> None:
                             for f in ("acc", "acc_norm", "evict_pct"))
         cell = ""
         if args.paired:
-            ref = paired.get(key[4])
-            if ref is None and args.any_mode and paired:
-                ref = next(iter(paired.values()))
-            if ref is None or recs is ref or (not ref_dir and key[2] == ref_policy):
+            ref = paired.get(pair_key(key))
+            if ref is None and args.any_mode:
+                ref = next((r for (_, b), r in paired.items() if b == pair_key(key)[1]), None)
+            if ref is None or is_reference(key):
                 cell = " |"
             else:
                 gap, half, n = paired_gap(ref, recs)
                 cell = f" {gap:+.2f} [{gap - half:+.2f}, {gap + half:+.2f}] (n={n}) |"
         print(f"| {' | '.join(key)} | {len(recs)} | {sum(r['n'] for r in recs)} | "
               f"{acc:.2f} | {norm:.2f} | {evict:.2f} |" + cell)
+
 
 if __name__ == "__main__":
     main()

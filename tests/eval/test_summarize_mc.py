@@ -80,3 +80,43 @@ def test_merge_pools_a_run_split_over_folders_by_task(tmp_path, monkeypatch, cap
     assert h2o[6].strip() == "2" and h2o[7].strip() == "8"  # two tasks, eight examples, once
     # task means: rte +25, copa +50 -> +37.5 over the pooled examples
     assert h2o[-2].strip().startswith("+37.50") and h2o[-2].strip().endswith("(n=8)")
+
+
+def test_same_budget_pairs_each_row_with_the_reference_at_its_budget(tmp_path, monkeypatch, capsys):
+    def at(rec: dict, budget: str) -> dict:
+        return rec | {"budget": budget}
+
+    recs = {"r5": at(record("ranked", "masked", [1, 1, 1, 1]), "0.5"),
+            "r3": at(record("ranked", "masked", [1, 1, 0, 0]), "0.3"),
+            "h5": at(record("h2o", "masked", [1, 0, 0, 0]), "0.5"),
+            "h3": at(record("h2o", "masked", [1, 0, 0, 0]), "0.3"),
+            "h1": at(record("h2o", "cache", [0, 0, 0, 0]), "0.1")}
+    (tmp_path / "results.json").write_text(json.dumps({"meta": {}, "results": recs}))
+    monkeypatch.setattr(sys, "argv", ["summarize_mc.py", str(tmp_path), "--paired", "ranked",
+                                      "--same-budget", "--any-mode"])
+    summarize_mc.main()
+    rows = [line.split("|") for line in capsys.readouterr().out.splitlines()[2:]]
+    gaps = {(c[3].strip(), c[4].strip()): c[-2].strip() for c in rows}
+    assert gaps["h2o", "0.5"].startswith("+75.00")
+    assert gaps["h2o", "0.3"].startswith("+25.00")
+    assert gaps["h2o", "0.1"] == ""  # no reference at that budget in any mode
+
+
+def test_folder_list_pairs_with_a_gate_split_over_folders(tmp_path, monkeypatch, capsys):
+    """a,b:attention_gate pools the gate of a run split by task (rte in a, copa in b) and
+    pairs another gate that ran both tasks in one folder with it, over both tasks."""
+    for name, task, hits in (("a", "rte", [1, 1, 1, 1]), ("b", "copa", [1, 1, 1, 1])):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "results.json").write_text(json.dumps(
+            {"meta": {}, "results": {"g": record("attention_gate", "masked", hits, task)}}))
+    (tmp_path / "c").mkdir()
+    (tmp_path / "c" / "results.json").write_text(json.dumps({"meta": {}, "results": {
+        "r": record("attention_gate", "masked", [1, 1, 0, 0], "rte"),
+        "c": record("attention_gate", "masked", [0, 0, 0, 0], "copa")}}))
+    monkeypatch.setattr(sys, "argv", ["summarize_mc.py", *(str(tmp_path / n) for n in "abc"),
+                                      "--paired", "a,b:attention_gate"])
+    summarize_mc.main()
+    rows = [line.split("|") for line in capsys.readouterr().out.splitlines()[2:]]
+    gaps = {cells[1].strip(): cells[-2].strip() for cells in rows}
+    assert gaps["a"] == "" and gaps["b"] == ""
+    assert gaps["c"].startswith("+75.00") and gaps["c"].endswith("(n=8)")  # (50 + 100) / 2
