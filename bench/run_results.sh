@@ -30,6 +30,16 @@ lora_gate_vs_heuristics() {
     --paired attention_gate --any-mode
   python bench/summarize_mc.py "${2}_base" --paired attention_gate
 }
+# a gate and the heuristics at its budgets on the 7 tasks split over two folders (OUT, OUT_b)
+# that can run side by side, pooled beside H2O at fixed budgets and the full cache
+# (CKPT OUT POLICIES)
+matched_split() {
+  local mc=(--checkpoint "$1" --limit 200 --no-progress --mode masked --policies "$3")
+  python -m kvgate.eval matched "${mc[@]}" --tasks piqa,arc_easy,arc_challenge,copa --out "$2"
+  python -m kvgate.eval matched "${mc[@]}" --tasks rte,boolq,hellaswag --out "${2}_b"
+  python bench/summarize_mc.py "$2" "${2}_b" results/mc_headroom_a results/mc_short_full \
+    --paired attention_gate --any-mode --merge
+}
 # the config layers of abl_mc_tasks, under which its variants stack theirs
 MC_TASKS=(--config cpt_recipe --config configs/ablation/mc_short.yaml
   --config configs/ablation/mc_tasks.yaml)
@@ -173,23 +183,13 @@ PY
     lora_gate_vs_heuristics runs/abl_mc_tasks_lora_hi/gated results/mc_tasks_lora_hi h2o ;;
   mctasksseed1) # abl_mc_tasks again with another seed (training and prompt order)
     python train.py "${MC_TASKS[@]}" --config configs/ablation/mc_tasks_seed1.yaml
-    # two halves of the tasks in two folders, so they can run side by side
-    mc=(--checkpoint runs/abl_mc_tasks_seed1/gated --limit 200 --no-progress --mode masked
-      --policies h2o)
-    python -m kvgate.eval matched "${mc[@]}" --tasks piqa,arc_easy,arc_challenge,copa \
-      --out results/mc_tasks_seed1
-    python -m kvgate.eval matched "${mc[@]}" --tasks rte,boolq,hellaswag --out results/mc_tasks_seed1_b
-    python bench/summarize_mc.py results/mc_tasks_seed1 results/mc_tasks_seed1_b \
-      results/mc_headroom_a results/mc_short_full --paired attention_gate --any-mode --merge ;;
+    matched_split runs/abl_mc_tasks_seed1/gated results/mc_tasks_seed1 h2o ;;
   mctasksbidir) # abl_mc_tasks with a gate that reads the whole prompt (needs `cpt`)
     python train.py "${MC_TASKS[@]}" --config configs/ablation/mc_tasks_bidir.yaml
-    mc=(--checkpoint runs/abl_mc_tasks_bidir/gated --limit 200 --no-progress --mode masked
-      --policies h2o,tova)
-    python -m kvgate.eval matched "${mc[@]}" --tasks piqa,arc_easy,arc_challenge,copa \
-      --out results/mc_tasks_bidir
-    python -m kvgate.eval matched "${mc[@]}" --tasks rte,boolq,hellaswag --out results/mc_tasks_bidir_b
-    python bench/summarize_mc.py results/mc_tasks_bidir results/mc_tasks_bidir_b \
-      results/mc_headroom_a results/mc_short_full --paired attention_gate --any-mode --merge ;;
+    matched_split runs/abl_mc_tasks_bidir/gated results/mc_tasks_bidir h2o,tova ;;
+  mctasksb22) # abl_mc_tasks aimed at ~68% eviction, where the heuristics lose more (needs `cpt`)
+    python train.py "${MC_TASKS[@]}" --config configs/ablation/mc_tasks_b22.yaml
+    matched_split runs/abl_mc_tasks_b22/gated results/mc_tasks_b22 h2o,tova ;;
   mctasksranked) # abl_mc_tasks' gate ranking at the heuristics' fixed budgets (needs `mctasks`)
     for b in 0.5 0.3; do
       python -m kvgate.eval mc --checkpoint runs/abl_mc_tasks/gated --tasks $TASKS7 --limit 200 \
@@ -210,5 +210,5 @@ PY
     python -m kvgate.eval mc "${mc[@]}" --budgets 0.3 --out results/mc_headroom_c
     python bench/summarize_mc.py results/mc_headroom_a results/mc_headroom_b \
       results/mc_headroom_c results/mc_short_full --paired full --any-mode ;;
-  *) echo "usage: $0 base|cpt|sft|gate CKPT OUT|sfteval|ppl CKPT OUT BUDGETS|ablation|pplctx CTX CONT WINDOWS OUT GATE...|needle|mcshort|mctasks|mctasksall|mctaskslora|mctasksseed1|headroom" >&2; exit 2 ;;
+  *) echo "usage: $0 base|cpt|sft|gate CKPT OUT|sfteval|ppl CKPT OUT BUDGETS|ablation|pplctx CTX CONT WINDOWS OUT GATE...|needle|mcshort|mctasks|mctasksall|mctaskslora|mctasksseed1|mctasksbidir|mctasksb22|mctasksranked|headroom" >&2; exit 2 ;;
 esac
