@@ -92,6 +92,10 @@ def build_parser() -> argparse.ArgumentParser:
     matched.add_argument("--reference-budget", default="0.5",
                          help="budget of a heuristic reference policy (attention_gate and "
                               "full ignore it)")
+    matched.add_argument("--rounding", choices=("up", "nearest"), default="up",
+                         help="each example's kept count per head from the reference's eviction: "
+                              "rounded up (the others evict a little less), or to the nearest "
+                              "token (the same eviction on average; budget label matched~...)")
     matched.add_argument("--others-on", choices=("checkpoint", "base"), default="checkpoint",
                          help="what the other policies run on: the checkpoint's model, or its "
                               "frozen base with the LoRA adapter off (the training-free "
@@ -353,7 +357,7 @@ def run(args: argparse.Namespace) -> int:
         others = model.disable_adapter if args.others_on == "base" else None
         mc.evaluate_matched(model, tokenizer, tasks, policies, reference, args.mode, store,
                             ref_label, ref_budget, args.batch_size, args.max_length,
-                            progress, others)
+                            progress, others=others, rounding=args.rounding)
         if args.patterns and reference.name == "attention_gate":
             extra_paths = write_patterns(model, tokenizer, tasks, {ref_label: reference},
                                          Budget(ratio=1.0) if reference.budget_free else ref_budget,

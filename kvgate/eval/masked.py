@@ -379,8 +379,8 @@ def masked_scores(model: nn.Module, items: Sequence[ScoringItem], policy: Policy
     return scores, patterns
 
 
-def check_budget_ratio(value: float) -> Budget:
+def check_budget_ratio(value: float, rounding: str = "up") -> Budget:
     """A kept ratio from an eviction share, clamped into Budget's (0, 1]."""
     if math.isnan(value):
         raise EvalError("kept ratio is NaN")
-    return Budget(ratio=min(1.0, max(float(value), 1e-9)))
+    return Budget(ratio=min(1.0, max(float(value), 1e-9)), rounding=rounding)

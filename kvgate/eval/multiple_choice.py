@@ -16,7 +16,10 @@ Modes:
 every (layer, KV head, real context token); the token-weighted mean is reported next to it.
 
 Matched budgets: the reference policy (the learned gate) runs first; every heuristic then
-gets, per example, ``Budget(ratio = 1 - the reference's eviction on that example)``.
+gets, per example, ``Budget(ratio = 1 - the reference's eviction on that example)``, its count
+per head rounded up (default; the heuristics then evict a little less than the reference) or
+to the nearest token (``rounding="nearest"``, budget label ``matched~...``: the same eviction on
+average).
 """
 
 from __future__ import annotations
@@ -292,12 +295,13 @@ def evaluate_mc(model: nn.Module, tokenizer: Any, tasks: Mapping[str, Sequence[M
     return keys
 
 
-def matched_budgets(reference: Mapping[str, Any]) -> dict[str, Budget]:
+def matched_budgets(reference: Mapping[str, Any], rounding: str = "up") -> dict[str, Budget]:
     """Per-example budgets from a reference run's record: keep ``1 - evict`` of the context."""
     examples = reference.get("examples", {})
     if not examples:
         raise EvalError(f"reference run {reference.get('policy')!r} has no examples to match")
-    return {uid: check_budget_ratio(1.0 - float(r["evict"])) for uid, r in examples.items()}
+    return {uid: check_budget_ratio(1.0 - float(r["evict"]), rounding)
+            for uid, r in examples.items()}
 
 
 def evaluate_matched(model: nn.Module, tokenizer: Any, tasks: Mapping[str, Sequence[MCExample]],
@@ -305,12 +309,15 @@ def evaluate_matched(model: nn.Module, tokenizer: Any, tasks: Mapping[str, Seque
                      store: ResultStore, reference_name: str | None = None,
                      reference_budget: Budget | None = None, batch_size: int = 8,
                      max_length: int | None = None, progress: bool = True,
-                     others: Callable[[], AbstractContextManager] | None = None) -> list[str]:
+                     others: Callable[[], AbstractContextManager] | None = None,
+                     rounding: str = "up") -> list[str]:
     """Run ``reference`` (the learned gate; a heuristic at ``reference_budget`` works too),
     then every other policy at the reference's per-example eviction ratio (budget label
-    ``matched-<reference key's policy>@<its budget>``); returns the keys. ``others``: a
-    context the other policies run in (e.g. peft's ``disable_adapter``: the frozen base)."""
+    ``matched-<reference key's policy>@<its budget>``, ``matched~...`` with ``rounding``
+    "nearest"); returns the keys. ``others``: a context the other policies run in (e.g.
+    peft's ``disable_adapter``: the frozen base)."""
     check_mode(mode)
+    Budget(ratio=1.0, rounding=rounding)  # a bad rounding fails before any model runs
     ref_name = reference_name or reference.name
     ref_budget = None if reference.budget_free else (reference_budget or Budget(ratio=0.5))
     ref_label = budget_label(ref_budget)
@@ -324,8 +331,9 @@ def evaluate_matched(model: nn.Module, tokenizer: Any, tasks: Mapping[str, Seque
                            ref_key, mc_summary, batch_size=batch_size, pad=pad,
                            progress=progress, record_budget=ref_budget is not None)
         keys.append(ref_key)
-        per_example = matched_budgets(record)
-        label = f"matched-{ref_name}" + ("" if ref_budget is None else f"@{ref_label}")
+        per_example = matched_budgets(record, rounding)
+        label = (("matched~" if rounding == "nearest" else "matched-") + ref_name
+                 + ("" if ref_budget is None else f"@{ref_label}"))
         for name, policy in policies.items():
             if name == ref_name:
                 continue

@@ -103,6 +103,13 @@ def test_matched_end_to_end_with_patterns(capsys, monkeypatch, tiny_llama, tmp_p
     assert sorted(p.name for p in tmp_path.glob("pattern_*.png")) == [
         "pattern_attention_gate_copa_0.png", "pattern_attention_gate_copa_1.png"]
     assert "matched-attention_gate" in out
+    # --rounding nearest: the same folder gains H2O under its own label; the gate is not re-run
+    code, out, err = run(capsys, "matched", "--checkpoint", "c", "--out", str(tmp_path),
+                         "--tasks", "copa", "--policies", "h2o", "--limit", "3",
+                         "--rounding", "nearest", "--no-progress")
+    assert code == 0, err
+    results = json.loads((tmp_path / "results.json").read_text())["results"]
+    assert "mc|copa|h2o|matched~attention_gate|masked" in results and len(results) == 4
 
 
 def test_matched_reference_takes_a_label_and_its_own_options(capsys, monkeypatch, tiny_llama,

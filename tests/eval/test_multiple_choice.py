@@ -20,7 +20,7 @@ from kvgate.eval.multiple_choice import (
 )
 from kvgate.eval.report import ResultStore, make_key
 from kvgate.gate import GateConfig, patch
-from kvgate.policies import Budget, get_policy
+from kvgate.policies import Budget, PolicyError, get_policy
 
 TOK = CharTokenizer()
 
@@ -192,6 +192,34 @@ def test_ranked_gate_runs_at_each_budget_beside_the_thresholded_one(tiny_llama, 
         for uid, r in ranked["examples"].items():
             assert r["evict"] == pytest.approx(h2o["examples"][uid]["evict"])  # same kept counts
     assert res["ranked", "0.25"]["evict_pct"] > res["ranked", "0.75"]["evict_pct"]
+
+
+def test_nearest_rounding_matches_the_reference_eviction_on_average(tiny_llama, tmp_path):
+    """Rounded up, a heuristic's per-example eviction never exceeds the gate's and is lower on
+    average; rounded to the nearest token each example is within half a token per head of it,
+    and the two runs are kept apart by their labels."""
+    torch.manual_seed(5)
+    patch(tiny_llama, GateConfig(gamma=0.0))
+    st = store(tmp_path)
+    gate, h2o = get_policy("attention_gate"), {"h2o": get_policy("h2o")}
+    tasks = {"toy": examples(6)}
+    up = evaluate_matched(tiny_llama, TOK, tasks, h2o, gate, "masked", st, batch_size=6,
+                          progress=False)
+    near = evaluate_matched(tiny_llama, TOK, tasks, h2o, gate, "masked", st, batch_size=6,
+                            progress=False, rounding="nearest")
+    assert near[0] == up[0]  # the gate itself ran once
+    assert near[1] == make_key("mc", "toy", "h2o", "matched~attention_gate", "masked") != up[1]
+    ref = st.results[up[0]]["examples"]
+    gaps = {}
+    for key in (up[1], near[1]):
+        gaps[key] = {uid: ref[uid]["evict"] - r["evict"]
+                     for uid, r in st.results[key]["examples"].items()}
+    assert all(g >= -1e-9 for g in gaps[up[1]].values())
+    for uid, g in gaps[near[1]].items():
+        assert abs(g) <= 0.5 / ref[uid]["n_ctx"] + 1e-9
+    assert abs(sum(gaps[near[1]].values())) < sum(gaps[up[1]].values())
+    with pytest.raises(PolicyError, match="rounding"):
+        evaluate_matched(tiny_llama, TOK, tasks, h2o, gate, "masked", st, rounding="down")
 
 
 def test_evict_summary_sample_mean_and_token_weighted():

@@ -44,7 +44,8 @@ def test_defaults_construct_and_keep(name):
 
 
 @pytest.mark.parametrize("name", NAMES)
-@pytest.mark.parametrize("budget", [Budget(tokens=9), Budget(ratio=0.4)])
+@pytest.mark.parametrize("budget", [Budget(tokens=9), Budget(ratio=0.4),
+                                    Budget(ratio=0.3, rounding="nearest")])
 def test_shape_padding_and_count(name, budget):
     prompt = make_prompt()
     policy = build(name)
@@ -59,10 +60,23 @@ def test_shape_padding_and_count(name, budget):
         assert torch.equal(counts.sum(-1), want * keep.shape[1])
     elif name == "pyramidkv":  # the layer's own budget (layer 1 of 4: above the average)
         layer = policy.layer_budget(prompt, want)
-        assert (layer > want).all()
+        assert (layer >= want).all() and (layer > want).any()
         assert torch.equal(counts, layer[:, None].expand_as(counts))
     else:
         assert torch.equal(counts, want[:, None].expand_as(counts))
+
+
+def test_ratio_rounding_up_or_to_the_nearest_token():
+    n = torch.tensor([8, 24, 17, 10])
+    # 8 x 0.78 = 6.24, 24 x 0.3 = 7.2 (17 x 0.3 = 5.1), 10 x 0.55 = 5.5
+    assert Budget(ratio=0.78).per_sample(n[:1]).tolist() == [7]
+    assert Budget(ratio=0.78, rounding="nearest").per_sample(n[:1]).tolist() == [6]
+    assert Budget(ratio=0.3).per_sample(n[1:3]).tolist() == [8, 6]
+    assert Budget(ratio=0.3, rounding="nearest").per_sample(n[1:3]).tolist() == [7, 5]
+    assert Budget(ratio=0.55, rounding="nearest").per_sample(n[3:]).tolist() == [6]
+    assert Budget(ratio=0.01, rounding="nearest").per_sample(n[:1]).tolist() == [1]  # >= 1
+    with pytest.raises(PolicyError, match="rounding must be one of up, nearest"):
+        Budget(ratio=0.5, rounding="down")
 
 
 @pytest.mark.parametrize("name", NAMES)
