@@ -71,11 +71,11 @@ def gate_ranking(module: nn.Module, hidden: Tensor, position_embeddings, valid: 
     [B, H_gate, n] (higher = keep; None in an ungated layer, which keeps everything) and the
     tokens the gate always keeps [B, n] (sinks, the one-shot recent tokens, non-prompt)."""
     gate_mod = module.kv_gate
-    counted = counted_tokens(gate_mod.config, valid, prompt)
     if module.layer_idx < gate_mod.config.ungated_layers:
         return None, valid
     scores = gate_mod.scores(gate_input(module, hidden, None), position_embeddings,
                              gate_attend_mask(valid, prompt, gate_mod.config.mode))
+    counted = counted_tokens(gate_mod.config, valid, prompt)
     return scores, forced_tokens(gate_mod.config, valid, counted, prompt)
 
 
