@@ -191,21 +191,19 @@ def test_attention_gate_tau_is_checked(bad):
         get_policy("attention_gate", tau=bad)
 
 
-class _SeenGate:
-    """An attention_gate policy that records each layer's prompt and keep mask."""
+def _spy_gate(**options):
+    """An attention_gate policy that records each layer's prompt and keep mask in ``seen``."""
+    from kvgate.policies.attention_gate import AttentionGatePolicy
 
-    def __init__(self, **options):
-        self.policy = get_policy("attention_gate", **options)
-        self.seen = []
-        outer = self
+    class Spy(AttentionGatePolicy):
+        def keep(self, prompt, budget=None):
+            kept = super().keep(prompt, budget)
+            self.seen.append((prompt, kept))
+            return kept
 
-        class Spy(type(self.policy)):
-            def keep(self, prompt, budget=None):
-                kept = super().keep(prompt, budget)
-                outer.seen.append((prompt, kept))
-                return kept
-
-        self.policy = Spy(**options)
+    spy = Spy(**options)
+    spy.seen = []
+    return spy
 
 
 def _gated_prefill(model, config, budget, **options):
@@ -220,8 +218,8 @@ def _gated_prefill(model, config, budget, **options):
     patch(model, config)
     try:
         dispatch.install(model)
-        spy = _SeenGate(**options)
-        cache = CompressedCache(model, spy.policy, budget)
+        spy = _spy_gate(**options)
+        cache = CompressedCache(model, spy, budget)
         with torch.no_grad():
             model(ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
                   past_key_values=cache)
@@ -274,9 +272,9 @@ def test_ranked_gate_needs_a_budget_and_takes_no_tau(model):
     _, _, spy = _gated_prefill(model, GateConfig(gamma=0.0), Budget(ratio=0.5), rank=True)
     prompt, _ = spy.seen[0]
     with pytest.raises(PolicyError, match="rank=true.*budget"):
-        spy.policy.keep(prompt, None)
+        spy.keep(prompt, None)
     with pytest.raises(PolicyError, match="tau"):
         get_policy("attention_gate", rank=True, tau=0.7)
     with pytest.raises(PolicyError, match="rank"):
         get_policy("attention_gate", rank="yes")
-    assert get_policy("attention_gate").budget_free and not spy.policy.budget_free
+    assert get_policy("attention_gate").budget_free and not spy.budget_free
