@@ -58,8 +58,8 @@ def compute_gate(module: nn.Module, hidden: Tensor, position_embeddings, valid: 
         gate = torch.ones(valid.shape[0], gate_mod.out_heads, valid.shape[1], device=valid.device)
         return GateRecord(gate, counted)
     hidden = gate_input(module, hidden, previous_hidden)
-    gate = gate_mod(hidden, position_embeddings, gate_attend_mask(valid, prompt, gate_mod.config.mode),
-                    tau=tau)
+    attend = gate_attend_mask(valid, prompt, gate_mod.config.mode)
+    gate = gate_mod(hidden, position_embeddings, attend, tau=tau)
     forced = forced_tokens(gate_mod.config, valid, counted, prompt)
     gate = torch.where(forced[:, None, :], torch.ones_like(gate), gate)
     return GateRecord(gate, counted)

@@ -1,9 +1,9 @@
 """The learned policy: keep flags from the Attention-Gates of a patched (exported) model.
 
 The gate decides per token and KV head; the budget does not enter (the eviction ratio is
-whatever the gate learned, reported as %Evict), unless ``rank`` is set. The flags are applied *inside* the prefill as
-the paper's eq. 5 (``encode_mask``: later prompt rows see only kept entries), then the cache
-is compacted to the kept entries. Decode tokens are not gated.
+whatever the gate learned, reported as %Evict), unless ``rank`` is set. The flags are applied
+*inside* the prefill as the paper's eq. 5 (``encode_mask``: later prompt rows see only kept
+entries), then the cache is compacted to the kept entries. Decode tokens are not gated.
 
 ``tail`` (inference option, default 0): the last prompt tokens (an int count or a float share
 of the prompt) stay in the cache whatever the gate says, as every heuristic keeps its
