@@ -199,6 +199,30 @@ PY
     python bench/summarize_mc.py results/mc_tasks_ranked_050 results/mc_tasks_ranked_030 \
       results/mc_headroom_a results/mc_headroom_b results/mc_headroom_c --paired ranked \
       --same-budget --any-mode ;;
+  pplseed1) # the 1,024-token chain behind abl_oneshot128_more again with seed 1, then its gate
+    # and H2O / SnapKV at its eviction over the 64 windows of the seed-0 gate; a stage whose
+    # export exists is skipped, one with a last.ckpt resumes from it
+    chain=(--config cpt_recipe --config configs/ablation/distill_protected_long.yaml)
+    for s in recent128_long recent128_more oneshot128_1024 oneshot128_more; do
+      chain+=(--config configs/ablation/$s.yaml)
+      run=runs/abl_${s}_seed1
+      [ -f "$run/gated/kvgate_config.json" ] && continue
+      resume=(); [ -f "$run/checkpoints/last.ckpt" ] && resume=(--ckpt_path last)
+      python train.py "${chain[@]}" --config configs/ablation/${s}_seed1.yaml "${resume[@]}"
+    done
+    win=(--docs 4000 --context 1024 --continuation 1024 --windows 64 --no-progress)
+    out=results/ppl_ctx1024
+    python -m kvgate.eval ppl --checkpoint runs/abl_oneshot128_more_seed1/gated \
+      --policies attention_gate "${win[@]}" --out "$out/gate_abl_oneshot128_more_seed1"
+    budget=$(python - "$out/gate_abl_oneshot128_more_seed1/results.json" <<'PY'
+import json, sys
+rec, = json.load(open(sys.argv[1]))["results"].values()
+print(f"{round(1 - rec['evict_pct'] / 100, 2):.2f}")
+PY
+)
+    python -m kvgate.eval ppl --model smollm2-135m --policies h2o,snapkv --budgets "$budget" \
+      "${win[@]}" --out "$out/heuristics"
+    python bench/summarize_ablation.py "$out" ;;
   headroom) # how far the best heuristics sit below the full cache on the 7 tasks (base model)
     mc=(--model smollm2-135m --tasks $TASKS7 --limit 200 --budgets 0.5,0.3 --no-progress)
     python -m kvgate.eval mc "${mc[@]}" --policies h2o --mode masked --out results/mc_headroom_a
@@ -210,5 +234,5 @@ PY
     python -m kvgate.eval mc "${mc[@]}" --budgets 0.3 --out results/mc_headroom_c
     python bench/summarize_mc.py results/mc_headroom_a results/mc_headroom_b \
       results/mc_headroom_c results/mc_short_full --paired full --any-mode ;;
-  *) echo "usage: $0 base|cpt|sft|gate CKPT OUT|sfteval|ppl CKPT OUT BUDGETS|ablation|pplctx CTX CONT WINDOWS OUT GATE...|needle|mcshort|mctasks|mctasksall|mctaskslora|mctasksseed1|mctasksbidir|mctasksb22|mctasksranked|headroom" >&2; exit 2 ;;
+  *) echo "usage: $0 base|cpt|sft|gate CKPT OUT|sfteval|ppl CKPT OUT BUDGETS|ablation|pplctx CTX CONT WINDOWS OUT GATE...|needle|mcshort|mctasks|mctasksall|mctaskslora|mctasksseed1|mctasksbidir|mctasksb22|mctasksranked|pplseed1|headroom" >&2; exit 2 ;;
 esac
