@@ -66,11 +66,14 @@ def _keep_per_query_head(gate: Tensor, h: int) -> Tensor:
     return keep[:, :, None, :]
 
 
-def _rows_per_chunk(h: int, n: int, chunk: int | None) -> int:
-    # 64 rows skip most of the causally unreachable upper triangle at little cost in matmul
-    # efficiency (on the CPU a 1 x 512 layer runs ~1.8x faster than in one chunk); long
-    # sequences cap each [B, H, rows, n] fp32 temporary at ~16 MB per batch element
-    return chunk or max(16, min(64, n, (4 << 20) // max(1, h * n)))
+def _rows_per_chunk(h: int, n: int, chunk: int | None, device: torch.device) -> int:
+    # on the CPU, 64 rows skip most of the causally unreachable upper triangle at little cost
+    # in matmul efficiency (a 1 x 512 layer runs ~1.8x faster than in one chunk); on a GPU each
+    # chunk is a round of kernel launches, so chunks stay as large as memory allows (untimed
+    # there at 64). Long sequences cap each [B, H, rows, n] fp32 temporary at ~16 MB per batch
+    # element.
+    cap = 64 if device.type == "cpu" else n
+    return chunk or max(16, min(cap, n, (4 << 20) // max(1, h * n)))
 
 
 def _bias(base: Tensor, ungated: Tensor, keep: Tensor) -> Tensor:
@@ -159,7 +162,7 @@ class _GatedAttention(torch.autograd.Function):
         # the CPU, and the softmax scale goes on the O(n d) operands instead of the scores
         qs = q * scaling
         keep = keep.to(q.dtype)
-        step = _rows_per_chunk(h, n, ctx.chunk)
+        step = _rows_per_chunk(h, n, ctx.chunk, q.device)
         for start in range(0, nq, step):
             rows = slice(start, min(start + step, nq))
             base, ungated = _chunk_masks(allowed, rows, offset, ctx.recent, q.device, prompt)
@@ -225,7 +228,7 @@ def gated_attention(q: Tensor, k: Tensor, v: Tensor, gate: Tensor, allowed: Tens
     keep = _keep_per_query_head(gate, h)
     # on the CPU the forward runs in row chunks too (see _chunked_forward); the CUDA kernel
     # takes the whole problem at once
-    step = _rows_per_chunk(h, n, chunk) if q.device.type == "cpu" else nq
+    step = _rows_per_chunk(h, n, chunk, q.device) if q.device.type == "cpu" else nq
     qf = q.float()
     if torch.is_grad_enabled() and (gate.requires_grad or qf.requires_grad
                                     or kr.requires_grad or vr.requires_grad):

@@ -214,3 +214,31 @@ def test_more_queries_than_keys_is_refused():
     q, k, v = _qkv(n=6)
     with pytest.raises(ValueError, match="last rows"):
         gated_attention(torch.cat([q, q], 2), k, v, torch.ones(2, 2, 6, dtype=q.dtype))
+
+
+@pytest.mark.parametrize("tail", [None, 70])
+def test_cpu_forward_reads_only_the_keys_each_row_chunk_can_reach(tail, monkeypatch):
+    """On the CPU the fused kernel runs per chunk of query rows over the keys up to the chunk's
+    last row (under one n x n mask it would also compute the unreachable upper triangle), and
+    the stitched output is the whole problem's."""
+    from kvgate.attention import gated
+
+    q, k, v = _qkv(b=1, h=2, hk=1, n=150, dtype=torch.float32)
+    q = q.detach()[:, :, -tail:] if tail else q.detach()
+    gate = (torch.rand(1, 1, 150, generator=torch.Generator().manual_seed(4)) > 0.5).float()
+    whole = gated_attention(q, k.detach(), v.detach(), gate, chunk=150)
+    calls = []
+    kernel = gated._masked_forward
+
+    def spy(q_, k_, v_, bias, scaling):
+        calls.append((q_.shape[2], k_.shape[2], tuple(bias.shape[-2:])))
+        return kernel(q_, k_, v_, bias, scaling)
+
+    monkeypatch.setattr(gated, "_masked_forward", spy)
+    out = gated_attention(q, k.detach(), v.detach(), gate)  # default chunking
+    nq, offset = q.shape[2], 150 - q.shape[2]
+    step = calls[0][0]
+    assert len(calls) == -(-nq // step) > 1
+    for i, (rows, keys, bias) in enumerate(calls):
+        assert keys == offset + min((i + 1) * step, nq) and bias == (rows, keys)
+    torch.testing.assert_close(out, whole, atol=1e-6, rtol=1e-5)
