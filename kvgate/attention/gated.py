@@ -140,10 +140,10 @@ class _GatedAttention(torch.autograd.Function):
     inputs and the output are kept: neither the n x n bias nor any probability matrix."""
 
     @staticmethod
-    def forward(ctx, q, kr, vr, gate, keep, allowed, prompt, scaling, recent, chunk, step):
-        out, lse = _chunked_forward(q, kr, vr, keep, allowed, prompt, scaling, recent, step)
+    def forward(ctx, q, kr, vr, gate, keep, allowed, prompt, scaling, recent, steps):
+        out, lse = _chunked_forward(q, kr, vr, keep, allowed, prompt, scaling, recent, steps[0])
         ctx.save_for_backward(q, kr, vr, gate, keep, out, lse, allowed, prompt)
-        ctx.scaling, ctx.recent, ctx.chunk = scaling, recent, chunk
+        ctx.scaling, ctx.recent, ctx.step = scaling, recent, steps[1]
         return out
 
     @staticmethod
@@ -162,7 +162,7 @@ class _GatedAttention(torch.autograd.Function):
         # the CPU, and the softmax scale goes on the O(n d) operands instead of the scores
         qs = q * scaling
         keep = keep.to(q.dtype)
-        step = _rows_per_chunk(h, n, ctx.chunk, q.device)
+        step = ctx.step
         for start in range(0, nq, step):
             rows = slice(start, min(start + step, nq))
             base, ungated = _chunk_masks(allowed, rows, offset, ctx.recent, q.device, prompt)
@@ -186,7 +186,7 @@ class _GatedAttention(torch.autograd.Function):
         hg = gate.shape[1]
         if hg != h:
             dgate = dgate.view(b, hg, h // hg, n).sum(2)
-        return dq, dk, dv, dgate.to(gate.dtype), None, None, None, None, None, None, None
+        return dq, dk, dv, dgate.to(gate.dtype), None, None, None, None, None, None
 
 
 def gated_attention(q: Tensor, k: Tensor, v: Tensor, gate: Tensor, allowed: Tensor | None = None,
@@ -226,16 +226,18 @@ def gated_attention(q: Tensor, k: Tensor, v: Tensor, gate: Tensor, allowed: Tens
     if prompt is not None and tuple(prompt.shape) != (b, n):
         raise ValueError(f"prompt shape {tuple(prompt.shape)} must be [B, n] = [{b}, {n}]")
     keep = _keep_per_query_head(gate, h)
-    # on the CPU the forward runs in row chunks too (see _chunked_forward); the CUDA kernel
-    # takes the whole problem at once
-    step = _rows_per_chunk(h, n, chunk, q.device) if q.device.type == "cpu" else nq
+    # rows per chunk of the forward and of the backward: on the CPU the forward runs in the
+    # backward's chunks (see _chunked_forward); the CUDA kernel takes the whole problem at once
+    step = _rows_per_chunk(h, n, chunk, q.device)
+    steps = (step if q.device.type == "cpu" else nq, step)
     qf = q.float()
     if torch.is_grad_enabled() and (gate.requires_grad or qf.requires_grad
                                     or kr.requires_grad or vr.requires_grad):
         out = _GatedAttention.apply(qf, kr, vr, gate, keep, allowed, prompt, scaling,
-                                    int(recent), chunk, step)
+                                    int(recent), steps)
     else:
-        out, _ = _chunked_forward(qf, kr, vr, keep, allowed, prompt, scaling, int(recent), step)
+        out, _ = _chunked_forward(qf, kr, vr, keep, allowed, prompt, scaling, int(recent),
+                                  steps[0])
     return out.to(q.dtype)
 
 
