@@ -40,6 +40,16 @@ matched_split() {
   python bench/summarize_mc.py "$2" "${2}_b" results/mc_headroom_a results/mc_short_full \
     --paired attention_gate --any-mode --merge
 }
+# kept_ratios RESULTS_JSON...: the kept ratios the gates in those records reached, rounded to
+# 0.01 and comma-joined (a heuristic's budget is a kept ratio)
+kept_ratios() {
+  python - "$@" <<'PY'
+import json, sys
+kept = {round(1 - rec["evict_pct"] / 100, 2)
+        for f in sys.argv[1:] for rec in json.load(open(f))["results"].values()}
+print(",".join(f"{k:.2f}" for k in sorted(kept)))
+PY
+}
 # the config layers of abl_mc_tasks, under which its variants stack theirs
 MC_TASKS=(--config cpt_recipe --config configs/ablation/mc_short.yaml
   --config configs/ablation/mc_tasks.yaml)
@@ -111,16 +121,7 @@ case "${1:-all}" in
       python -m kvgate.eval ppl --checkpoint "$ck" --policies attention_gate "${win[@]}" \
         --out "$out/gate_$name"
     done
-    # kept ratios the gates reached, rounded to 0.01 (a heuristic's budget is a kept ratio)
-    budgets=$(python - "$out" <<'PY'
-import json, pathlib, sys
-kept = set()
-for f in pathlib.Path(sys.argv[1]).glob("gate_*/results.json"):
-    for rec in json.loads(f.read_text())["results"].values():
-        kept.add(round(1 - rec["evict_pct"] / 100, 2))
-print(",".join(f"{k:.2f}" for k in sorted(kept)))
-PY
-)
+    budgets=$(kept_ratios "$out"/gate_*/results.json)
     python -m kvgate.eval ppl --model smollm2-135m --policies full "${win[@]}" --out "$out/heuristics"
     python -m kvgate.eval ppl --model smollm2-135m --policies h2o,snapkv,streaming,random \
       --budgets "$budgets" "${win[@]}" --out "$out/heuristics" ;;
@@ -214,12 +215,7 @@ PY
     out=results/ppl_ctx1024
     python -m kvgate.eval ppl --checkpoint runs/abl_oneshot128_more_seed1/gated \
       --policies attention_gate "${win[@]}" --out "$out/gate_abl_oneshot128_more_seed1"
-    budget=$(python - "$out/gate_abl_oneshot128_more_seed1/results.json" <<'PY'
-import json, sys
-rec, = json.load(open(sys.argv[1]))["results"].values()
-print(f"{round(1 - rec['evict_pct'] / 100, 2):.2f}")
-PY
-)
+    budget=$(kept_ratios "$out/gate_abl_oneshot128_more_seed1/results.json")
     python -m kvgate.eval ppl --model smollm2-135m --policies h2o,snapkv --budgets "$budget" \
       "${win[@]}" --out "$out/heuristics"
     python bench/summarize_ablation.py "$out" ;;
