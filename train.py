@@ -4,6 +4,11 @@
     python train.py --config cpt_demo --trainer.max_steps 20 --model.gate.beta 0.3
     python train.py --config cpt_demo --ckpt_path last      # resume a killed run
     python train.py --config cpt_demo --print_config        # the full resolved config
+    python train.py --config cpt_demo --seed_everything 1 --run_dir runs/cpt_demo_seed1
+
+``--run_dir DIR`` moves every output of a run under DIR (root, logger, checkpoints, export),
+so a variant that differs in one value needs no config file of its own. It is applied after
+parsing: ``--print_config`` shows the folders before it.
 
 ``--config NAME`` also finds ``configs/NAME.yaml``. Every key is typed: an unknown key or a
 bad value stops the run before any model is loaded, with a message naming the key.
@@ -53,9 +58,48 @@ class KVGateCLI(LightningCLI):
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         parser.add_argument("--ckpt_path", type=str | None, default=None,
                             help="resume from this Lightning checkpoint ('last' = newest last.ckpt)")
+        parser.add_argument("--run_dir", type=str | None, default=None,
+                            help="every output of the run under this folder: default_root_dir, "
+                                 "the logger's save_dir, DIR/checkpoints, DIR/gated")
 
     def before_instantiate_classes(self) -> None:
         check_strategy(self.config.get("trainer", {}).get("strategy"))
+        if self.config.get("run_dir"):
+            move_outputs(self.config.trainer, self.config.run_dir)
+
+
+# where each output-writing class keeps its folder, and the folder it gets under --run_dir
+_OUTPUT_DIRS = {
+    "ModelCheckpoint": ("dirpath", "checkpoints"),
+    "OnExceptionCheckpoint": ("dirpath", "checkpoints"),
+    "ExportGated": ("dirpath", "gated"),
+}
+
+
+def move_outputs(trainer, run_dir: str) -> None:
+    """Point every folder a run writes to under ``run_dir`` (in the parsed config, before
+    anything is built). Loggers keep their ``name``/``version`` below it; a callback that
+    writes elsewhere and is not known here is refused rather than left in the old folder."""
+    root = Path(run_dir)
+    trainer.default_root_dir = str(root)
+    loggers = trainer.get("logger")
+    for logger in loggers if isinstance(loggers, list) else [loggers]:
+        if getattr(logger, "init_args", None) is not None and "save_dir" in logger.init_args:
+            logger.init_args.save_dir = str(root)
+    for callback in trainer.get("callbacks") or []:
+        init = getattr(callback, "init_args", None)
+        short = str(getattr(callback, "class_path", "")).rsplit(".", 1)[-1]
+        if short in _OUTPUT_DIRS:
+            key, sub = _OUTPUT_DIRS[short]
+            setattr(init, key, str(root / sub))
+        elif init is not None and any(k in init for k in ("dirpath", "save_dir", "log_dir")):
+            raise RunDirError(f"--run_dir: trainer.callbacks has {short}, which writes to a "
+                              "folder --run_dir does not know how to move; set its folder "
+                              "in the config instead")
+
+
+class RunDirError(ValueError):
+    """--run_dir cannot place an output of the configured run."""
 
 
 class StrategyUnavailable(RuntimeError):
@@ -89,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     from kvgate.training.errors import TrainingConfigError
 
     clear = (ConfigError, TrainingConfigError, ModelLoadError, DataError, CheckpointError,
-             StrategyUnavailable)
+             StrategyUnavailable, RunDirError)
     warnings.filterwarnings("ignore", message="LightningCLI's args parameter")
     cli = None
     created = None

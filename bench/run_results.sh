@@ -200,24 +200,49 @@ case "${1:-all}" in
     python bench/summarize_mc.py results/mc_tasks_ranked_050 results/mc_tasks_ranked_030 \
       results/mc_headroom_a results/mc_headroom_b results/mc_headroom_c --paired ranked \
       --same-budget --any-mode ;;
-  pplseed1) # the 1,024-token chain behind abl_oneshot128_more again with seed 1, then its gate
-    # and H2O / SnapKV at its eviction over the 64 windows of the seed-0 gate; a stage whose
-    # export exists is skipped, one with a last.ckpt resumes from it
+  pplseed) # the 1,024-token chain behind abl_oneshot128_more again with another seed (SEED),
+    # then its gate and H2O / SnapKV at its eviction over the 64 windows of the seed-0 gate; a
+    # stage whose export exists is skipped, one with a last.ckpt resumes from it. Only the
+    # seed and the output folders change (--run_dir): documents and order stay seed 0's, as
+    # another corpus sample could overlap the held-out tail the perplexity runs read.
+    seed=$2
     chain=(--config cpt_recipe --config configs/ablation/distill_protected_long.yaml)
+    start=()
     for s in recent128_long recent128_more oneshot128_1024 oneshot128_more; do
       chain+=(--config configs/ablation/$s.yaml)
-      run=runs/abl_${s}_seed1
-      [ -f "$run/gated/kvgate_config.json" ] && continue
-      resume=(); [ -f "$run/checkpoints/last.ckpt" ] && resume=(--ckpt_path last)
-      python train.py "${chain[@]}" --config configs/ablation/${s}_seed1.yaml "${resume[@]}"
+      run=runs/abl_${s}_seed$seed
+      if [ ! -f "$run/gated/kvgate_config.json" ]; then
+        resume=(); [ -f "$run/checkpoints/last.ckpt" ] && resume=(--ckpt_path last)
+        python train.py "${chain[@]}" --seed_everything "$seed" --run_dir "$run" "${start[@]}" \
+          "${resume[@]}"
+      fi
+      start=(--model.init_from "$run/gated")   # the next stage starts from this one
     done
     win=(--docs 4000 --context 1024 --continuation 1024 --windows 64 --no-progress)
     out=results/ppl_ctx1024
-    python -m kvgate.eval ppl --checkpoint runs/abl_oneshot128_more_seed1/gated \
-      --policies attention_gate "${win[@]}" --out "$out/gate_abl_oneshot128_more_seed1"
-    budget=$(kept_ratios "$out/gate_abl_oneshot128_more_seed1/results.json")
+    python -m kvgate.eval ppl --checkpoint "runs/abl_oneshot128_more_seed$seed/gated" \
+      --policies attention_gate "${win[@]}" --out "$out/gate_abl_oneshot128_more_seed$seed"
+    budget=$(kept_ratios "$out/gate_abl_oneshot128_more_seed$seed/results.json")
     python -m kvgate.eval ppl --model smollm2-135m --policies h2o,snapkv --budgets "$budget" \
       "${win[@]}" --out "$out/heuristics"
+    python bench/summarize_ablation.py "$out" ;;
+  ctx256seed) # abl_recent64_256 (the 256-token win) again with another seed (SEED), then its
+    # gate at tau 0.5 and 0.56 and the heuristics at its evictions over the same 128 windows
+    seed=$2; run=runs/abl_recent64_256_seed$seed; out=results/ppl_ctx256
+    if [ ! -f "$run/gated/kvgate_config.json" ]; then
+      resume=(); [ -f "$run/checkpoints/last.ckpt" ] && resume=(--ckpt_path last)
+      python train.py --config cpt_recipe --config configs/ablation/recent64_256.yaml \
+        --seed_everything "$seed" --run_dir "$run" "${resume[@]}"
+    fi
+    win=(--docs 2000 --context 256 --continuation 256 --windows 128 --no-progress)
+    python -m kvgate.eval ppl --checkpoint "$run/gated" --policies attention_gate "${win[@]}" \
+      --out "$out/gate_abl_recent64_256_seed$seed"
+    python -m kvgate.eval ppl --checkpoint "$run/gated" --policies gate_tau56=attention_gate \
+      --policy-opt gate_tau56.tau=0.56 "${win[@]}" --out "$out/gate_abl_recent64_256_seed${seed}_tau56"
+    budgets=$(kept_ratios "$out/gate_abl_recent64_256_seed$seed/results.json" \
+      "$out/gate_abl_recent64_256_seed${seed}_tau56/results.json")
+    python -m kvgate.eval ppl --model smollm2-135m --policies h2o,snapkv,streaming,random \
+      --budgets "$budgets" "${win[@]}" --out "$out/heuristics"
     python bench/summarize_ablation.py "$out" ;;
   headroom) # how far the best heuristics sit below the full cache on the 7 tasks (base model)
     mc=(--model smollm2-135m --tasks $TASKS7 --limit 200 --budgets 0.5,0.3 --no-progress)
@@ -230,5 +255,5 @@ case "${1:-all}" in
     python -m kvgate.eval mc "${mc[@]}" --budgets 0.3 --out results/mc_headroom_c
     python bench/summarize_mc.py results/mc_headroom_a results/mc_headroom_b \
       results/mc_headroom_c results/mc_short_full --paired full --any-mode ;;
-  *) echo "usage: $0 base|cpt|sft|gate CKPT OUT|sfteval|ppl CKPT OUT BUDGETS|ablation|pplctx CTX CONT WINDOWS OUT GATE...|needle|mcshort|mctasks|mctasksall|mctaskslora|mctasksseed1|mctasksbidir|mctasksb22|mctasksranked|pplseed1|headroom" >&2; exit 2 ;;
+  *) echo "usage: $0 base|cpt|sft|gate CKPT OUT|sfteval|ppl CKPT OUT BUDGETS|ablation|pplctx CTX CONT WINDOWS OUT GATE...|needle|mcshort|mctasks|mctasksall|mctaskslora|mctasksseed1|mctasksbidir|mctasksb22|mctasksranked|pplseed SEED|ctx256seed SEED|headroom" >&2; exit 2 ;;
 esac

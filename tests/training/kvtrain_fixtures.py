@@ -7,6 +7,7 @@ import random
 from pathlib import Path
 
 from conftest import build, tiny_llama_config, tiny_mistral_config
+from lightning.pytorch import Callback
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
@@ -78,3 +79,10 @@ class SyntheticSFT(SFTDataModule):
     def examples(self, part, limit):
         n = self.n_train if part == "train" else self.n_val
         return synthetic_examples(n, seed=0 if part == "train" else 1)
+
+
+class FolderWriter(Callback):
+    """A callback that writes to a folder of its own, which --run_dir does not know."""
+
+    def __init__(self, dirpath: str = "somewhere") -> None:
+        self.dirpath = dirpath

@@ -270,3 +270,47 @@ def test_run_refused_at_build_leaves_no_folder_behind(base_dir, tmp_path, capsys
     (tmp_path / "run").mkdir()  # a folder that was there before the run is left alone
     assert train.main(["--config", str(config), "--model.gate.head_dim", "64", *extra]) == 2
     assert (tmp_path / "run").is_dir()
+
+
+def test_run_dir_moves_every_output_and_changes_nothing_else(no_model_load):
+    """A seed variant is the recipe's layers plus --seed_everything and --run_dir: the same
+    run in every setting but the seed and the folders it writes to."""
+    layers = ["--config", "cpt_recipe", "--config", "configs/ablation/recent64_256.yaml"]
+
+    def build(*extra):
+        return train.KVGateCLI(KVGateModule, train.KVGateDataModule, subclass_mode_data=True,
+                               run=False, args=train.resolve_config_args([*layers, *extra]),
+                               save_config_callback=None)
+    plain = build()
+    moved = build("--seed_everything", "3", "--run_dir", "runs/elsewhere")
+    assert moved.trainer.default_root_dir == "runs/elsewhere"
+    assert moved.trainer.logger.save_dir == "runs/elsewhere"
+    dirs = {type(c).__name__: str(getattr(c, "dirpath", None)) for c in moved.trainer.callbacks}
+    assert dirs["ModelCheckpoint"].endswith("runs/elsewhere/checkpoints")
+    assert dirs["ExportGated"] == "runs/elsewhere/gated"
+    assert moved.config.seed_everything == 3
+    for block in ("gate_cfg", "recipe_cfg", "optim_cfg", "lora_cfg"):
+        assert getattr(moved.model, block) == getattr(plain.model, block)
+    assert (moved.datamodule.seq_len, moved.datamodule.max_docs, moved.datamodule.seed) == \
+        (plain.datamodule.seq_len, plain.datamodule.max_docs, plain.datamodule.seed)
+
+
+def test_run_dir_refuses_a_callback_it_cannot_move(base_dir, tmp_path, capsys):
+    config = tiny_config(tmp_path, base_dir)
+    cfg = yaml.safe_load(config.read_text())
+    cfg["trainer"]["callbacks"].append({"class_path": "kvtrain_fixtures.FolderWriter"})
+    config.write_text(yaml.safe_dump(cfg))
+    assert train.main(["--config", str(config), "--run_dir", str(tmp_path / "moved")]) == 2
+    assert "FolderWriter, which writes to a folder --run_dir does not know" in capsys.readouterr().err
+    assert not (tmp_path / "moved").exists() and not (tmp_path / "run").exists()
+
+
+def test_run_dir_puts_a_whole_run_in_its_folder(base_dir, tmp_path):
+    config = tiny_config(tmp_path, base_dir, max_steps=2)
+    out = tmp_path / "seed1"
+    assert train.main(["--config", str(config), "--seed_everything", "1",
+                       "--run_dir", str(out)]) == 0
+    assert torch.load(out / "checkpoints" / "last.ckpt", weights_only=True)["global_step"] == 2
+    _, _, meta = load_gated(out / "gated")
+    assert meta["training"]["global_step"] == 2
+    assert not (tmp_path / "run").exists()  # the config's own folders were not touched
