@@ -11,6 +11,11 @@ perplexity is taken over the gate's own windows; one scored on fewer of them is 
 ``(k/N windows)`` and not taken as the best (its number is over other text). The last column
 pairs the gate with the best of those heuristics window by window: a 95% interval that
 excludes 0 is a difference the sample can resolve.
+
+Gates trained with other seeds (``gate_<run>_seed<k>``, e.g. from ``run_results.sh pplseed``)
+are also pooled with their seed-0 run (``gate_<run>``) in a second table: each seed's paired
+gap, their mean, and a t interval over seeds, which is what says whether the *recipe* (not
+one trained gate) beats the heuristic.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
 from pathlib import Path
 
 HEURISTICS = ("h2o", "snapkv", "streaming", "random")
@@ -34,17 +40,29 @@ def ppl_over(rec: dict, uids: set[str]) -> float:
     return math.exp(-sum(r["ll"][0] for r in ex) / tokens) if tokens else math.nan
 
 
-def paired_gap(gate: dict, heur: dict) -> str:
+# two-sided 95% t quantiles by degrees of freedom, for intervals over a handful of seeds
+T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306}
+SEED = re.compile(r"_seed\d+")
+
+
+def paired_gap(gate: dict, heur: dict) -> tuple[float, float, int] | None:
     """Gate minus heuristic in log-perplexity, paired over the same windows: mean per-token
-    NLL difference with a normal 95% interval over windows (windows are equally long)."""
+    NLL difference and the half-width of a normal 95% interval over windows (windows are
+    equally long), and the number of windows."""
     a, b = gate.get("examples", {}), heur.get("examples", {})
     diffs = [(-a[u]["ll"][0] + b[u]["ll"][0]) / a[u]["tokens"][0] for u in a if u in b]
     if len(diffs) < 2:
-        return "-"
+        return None
     mean = sum(diffs) / len(diffs)
     var = sum((d - mean) ** 2 for d in diffs) / (len(diffs) - 1)
-    half = 1.96 * math.sqrt(var / len(diffs))
-    return f"{mean:+.4f} [{mean - half:+.4f}, {mean + half:+.4f}] (n={len(diffs)})"
+    return mean, 1.96 * math.sqrt(var / len(diffs)), len(diffs)
+
+
+def fmt_gap(gap: tuple[float, float, int] | None) -> str:
+    if gap is None:
+        return "-"
+    mean, half, n = gap
+    return f"{mean:+.4f} [{mean - half:+.4f}, {mean + half:+.4f}] (n={n})"
 
 
 def table(folder: Path) -> list[str]:
@@ -52,10 +70,12 @@ def table(folder: Path) -> list[str]:
     full = [r for r in heur.values() if r["policy"] == "full" and r.get("complete")]
     rows = []
     task = None
+    gaps: dict[str, tuple] = {}   # run -> (paired gap, best heuristic's name) for the seed table
     for gate_file in sorted(folder.glob("gate_*/results.json")):
         for rec in load(gate_file).values():
             task = rec["task"]
-            line = [gate_file.parent.name.removeprefix("gate_"), f"{rec['evict_pct']:.1f}",
+            run = gate_file.parent.name.removeprefix("gate_")
+            line = [run, f"{rec['evict_pct']:.1f}",
                     f"{rec['ppl']:.3f}" if rec.get("complete") else
                     f"{rec['ppl']:.3f} (partial {rec['n']})"]
             best, best_ppl, uids = None, math.inf, set(rec.get("examples", {}))
@@ -74,8 +94,10 @@ def table(folder: Path) -> list[str]:
                 if not short and (best is None or near_ppl < best_ppl):
                     best, best_ppl = near, near_ppl
             gap = "-" if best is None else f"{rec['ppl'] - best_ppl:+.3f}"
-            paired = "-" if best is None else paired_gap(rec, best)
-            rows.append("| " + " | ".join(line + [gap, paired]) + " |")
+            paired = None if best is None else paired_gap(rec, best)
+            if paired is not None:
+                gaps[run] = (paired, best["policy"], rec["evict_pct"])
+            rows.append("| " + " | ".join(line + [gap, fmt_gap(paired)]) + " |")
     head = [f"context {folder.name} ({task}); base model PPL "
             + (f"{full[0]['ppl']:.3f} over {full[0]['tokens']:,} tokens" if full else "n/a"),
             "",
@@ -83,7 +105,37 @@ def table(folder: Path) -> list[str]:
                 f"{h} PPL @ %Evict" for h in HEURISTICS)
             + " | gate - best heuristic | paired log-PPL gap, 95% CI |",
             "|---" * (5 + len(HEURISTICS)) + "|"]
-    return head + rows + [""]
+    return head + rows + [""] + seed_table(gaps)
+
+
+def seed_table(gaps: dict[str, tuple]) -> list[str]:
+    """Runs that differ only in a ``_seed<k>`` part, pooled: each seed's paired gap to its
+    best heuristic, the mean over seeds, and a t interval over the seed means (it carries
+    the spread between trainings, which the per-window intervals do not)."""
+    groups: dict[str, list[str]] = {}
+    for run in gaps:
+        groups.setdefault(SEED.sub("", run), []).append(run)
+    rows = []
+    for recipe, runs in sorted(groups.items()):
+        if len(runs) < 2 or recipe not in runs:
+            continue
+        means = [gaps[r][0][0] for r in runs]
+        k = len(means)
+        mean = sum(means) / k
+        sd = math.sqrt(sum((m - mean) ** 2 for m in means) / (k - 1))
+        half = T95.get(k - 1, 1.96) * sd / math.sqrt(k)
+        below = sum(gaps[r][0][0] + gaps[r][0][1] < 0 for r in runs)
+        above = sum(gaps[r][0][0] - gaps[r][0][1] > 0 for r in runs)
+        per_seed = "; ".join(f"{r}: {fmt_gap(gaps[r][0])} vs {gaps[r][1]} @ {gaps[r][2]:.1f}"
+                             for r in runs)
+        rows.append(f"| {recipe} | {k} | {per_seed} | {mean:+.4f} "
+                    f"[{mean - half:+.4f}, {mean + half:+.4f}] | {below} below, {above} above |")
+    if not rows:
+        return []
+    return ["the same recipe over seeds (gate - best heuristic, log-PPL)", "",
+            ("| recipe | seeds | each seed's paired gap, 95% CI over windows | mean over seeds, "
+             "95% t CI over seeds | seeds resolved below / above 0 |"), "|---" * 5 + "|",
+            *rows, ""]
 
 
 def main() -> int:

@@ -1,0 +1,59 @@
+"""bench/summarize_ablation.py: the heuristic nearest the gate's eviction, the paired gap over
+the gate's windows, and a recipe's seeds pooled into one row."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+_spec = importlib.util.spec_from_file_location(
+    "summarize_ablation", ROOT / "bench" / "summarize_ablation.py")
+summarize_ablation = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(summarize_ablation)
+
+TOKENS = 100
+
+
+def record(policy: str, evict: float, nll: list[float]) -> dict:
+    """A perplexity record over windows w0, w1, ... with the given per-token NLLs."""
+    examples = {f"w{i}": {"ll": [-x * TOKENS], "tokens": [TOKENS]} for i, x in enumerate(nll)}
+    return {"task": "corpus@8+8", "policy": policy, "evict_pct": evict, "complete": True,
+            "n": len(nll), "tokens": TOKENS * len(nll),
+            "ppl": math.exp(sum(nll) / len(nll)), "examples": examples}
+
+
+def write(folder: Path, name: str, *recs: dict) -> None:
+    (folder / name).mkdir(parents=True)
+    (folder / name / "results.json").write_text(json.dumps(
+        {"meta": {}, "results": {f"k{i}": r for i, r in enumerate(recs)}}))
+
+
+def test_gap_to_the_nearest_budget_and_seeds_pooled(tmp_path):
+    h2o = [2.0, 2.1, 1.9, 2.0]
+    write(tmp_path, "heuristics", record("full", 0, [1.8] * 4),
+          record("h2o", 50.0, h2o), record("h2o", 30.0, [0.0] * 4),  # far budget: ignored
+          record("snapkv", 50.0, [x + 0.1 for x in h2o]))
+    write(tmp_path, "gate_run", record("attention_gate", 51.0, [x - 0.02 for x in h2o]))
+    write(tmp_path, "gate_run_seed1", record("attention_gate", 49.0, [x - 0.04 for x in h2o]))
+    write(tmp_path, "gate_run_seed2", record("attention_gate", 50.5,
+                                               [x + d for x, d in zip(h2o, [.1, -.1, .1, -.1])]))
+    write(tmp_path, "gate_other", record("attention_gate", 50.0, h2o))  # one seed: not pooled
+    lines = summarize_ablation.table(tmp_path)
+    cut = lines.index("the same recipe over seeds (gate - best heuristic, log-PPL)")
+    rows = {line.split("|")[1].strip(): line.split("|")
+            for line in lines[:cut] if line.startswith("| ")}
+    seeds = [line.split("|") for line in lines[cut + 4:] if line.startswith("| ")]
+    # per gate: h2o at the nearer budget is the best heuristic, the gap is over the same windows
+    assert rows["run"][-2].strip() == "-0.0200 [-0.0200, -0.0200] (n=4)"
+    assert rows["run_seed1"][4].strip().startswith(f"{math.exp(2.0):.3f} @ 50.0")
+    assert rows["run_seed2"][-2].strip().startswith("+0.0000 [-0.1132, +0.1132]")
+    # pooled: three seeds, mean of (-0.02, -0.04, 0.00), t interval with 2 degrees of freedom
+    assert len(seeds) == 1 and seeds[0][1].strip() == "run" and seeds[0][2].strip() == "3"
+    sd = math.sqrt(((-0.02 + 0.02) ** 2 + (-0.04 + 0.02) ** 2 + (0.0 + 0.02) ** 2) / 2)
+    half = 4.303 * sd / math.sqrt(3)
+    assert seeds[0][4].strip() == f"{-0.02:+.4f} [{-0.02 - half:+.4f}, {-0.02 + half:+.4f}]"
+    assert seeds[0][5].strip() == "2 below, 0 above"
+    assert "other" in rows  # a recipe with one seed is in the main table only
