@@ -1,0 +1,44 @@
+"""bench/*.sh: the scripts behind docs/RESULTS.md parse, every step the usage line names
+exists, and every config they name is in the tree (a removed config breaks a step only when
+someone reruns it, long after the change)."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPTS = sorted((ROOT / "bench").glob("*.sh")) + sorted((ROOT / "scripts").glob("*.sh"))
+RUN_RESULTS = (ROOT / "bench" / "run_results.sh").read_text()
+
+
+@pytest.mark.parametrize("script", SCRIPTS, ids=[p.name for p in SCRIPTS])
+def test_script_parses(script):
+    result = subprocess.run(["bash", "-n", str(script)], check=False, capture_output=True,
+                            text=True)
+    assert result.returncode == 0, result.stderr
+
+
+def test_every_step_in_the_usage_line_exists():
+    usage = re.search(r'echo "usage: \$0 ([^"]+)"', RUN_RESULTS).group(1)
+    steps = {part.split()[0] for part in usage.split("|")}
+    labels = set(re.findall(r"^  ([a-z0-9]+)\)", RUN_RESULTS, flags=re.MULTILINE))
+    assert steps == labels - {"all"}, steps ^ (labels - {"all"})
+
+
+def test_every_config_named_by_run_results_exists():
+    named = set(re.findall(r"configs/[\w/]+\.yaml", RUN_RESULTS))
+    named |= {f"configs/{n}.yaml" for n in re.findall(r"--config ([a-z_0-9]+)\b", RUN_RESULTS)
+              if n != "configs"}
+    # the loops name their configs through a variable: expand `for x in a b c` over
+    # `configs/ablation/$x.yaml` and `--config $x`
+    for var, values in re.findall(r"for (\w+) in ([\w ]+);", RUN_RESULTS):
+        for form, path in ((f"configs/ablation/${var}.yaml", "configs/ablation/{}.yaml"),
+                           (f"--config ${var}\n", "configs/{}.yaml")):
+            if form in RUN_RESULTS:
+                named |= {path.format(v) for v in values.split()}
+    missing = sorted(p for p in named if not (ROOT / p).is_file())
+    assert len(named) >= 25 and not missing, missing
