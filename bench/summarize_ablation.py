@@ -45,12 +45,16 @@ T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8:
 SEED = re.compile(r"_seed\d+")
 
 
-def paired_gap(gate: dict, heur: dict) -> tuple[float, float, int] | None:
-    """Gate minus heuristic in log-perplexity, paired over the same windows: mean per-token
-    NLL difference and the half-width of a normal 95% interval over windows (windows are
-    equally long), and the number of windows."""
+def window_gaps(gate: dict, heur: dict) -> dict[str, float]:
+    """Gate minus heuristic in per-token NLL (= log-perplexity), window by window, over the
+    windows both scored."""
     a, b = gate.get("examples", {}), heur.get("examples", {})
-    diffs = [(-a[u]["ll"][0] + b[u]["ll"][0]) / a[u]["tokens"][0] for u in a if u in b]
+    return {u: (-a[u]["ll"][0] + b[u]["ll"][0]) / a[u]["tokens"][0] for u in a if u in b}
+
+
+def mean_ci(diffs: list[float]) -> tuple[float, float, int] | None:
+    """Mean, half-width of a normal 95% interval over the items (windows are equally long),
+    and their number."""
     if len(diffs) < 2:
         return None
     mean = sum(diffs) / len(diffs)
@@ -94,9 +98,10 @@ def table(folder: Path) -> list[str]:
                 if not short and (best is None or near_ppl < best_ppl):
                     best, best_ppl = near, near_ppl
             gap = "-" if best is None else f"{rec['ppl'] - best_ppl:+.3f}"
-            paired = None if best is None else paired_gap(rec, best)
+            per_window = {} if best is None else window_gaps(rec, best)
+            paired = mean_ci(list(per_window.values()))
             if paired is not None:
-                gaps[run] = (paired, best["policy"], rec["evict_pct"])
+                gaps[run] = (paired, best["policy"], rec["evict_pct"], per_window)
             rows.append("| " + " | ".join(line + [gap, fmt_gap(paired)]) + " |")
     head = [f"context {folder.name} ({task}); base model PPL "
             + (f"{full[0]['ppl']:.3f} over {full[0]['tokens']:,} tokens" if full else "n/a"),
@@ -109,12 +114,15 @@ def table(folder: Path) -> list[str]:
 
 
 def seed_table(gaps: dict[str, tuple]) -> list[str]:
-    """Runs that differ only in a ``_seed<k>`` part, pooled: each seed's paired gap to its
-    best heuristic, the mean over seeds, and a t interval over the seed means (it carries
-    the spread between trainings, which the per-window intervals do not)."""
+    """Runs that differ only in a ``_seed<k>`` part, pooled. Two intervals: a t interval over
+    the seeds' mean gaps, which carries the spread between trainings (what a new seed of the
+    recipe would do; wide with few seeds), and one over windows of the seeds' average gap per
+    window, which holds these trained gates fixed and only samples the text."""
     groups: dict[str, list[str]] = {}
     for run in gaps:
         groups.setdefault(SEED.sub("", run), []).append(run)
+    for runs in groups.values():  # seed 0 (no _seed part) first, then by seed
+        runs.sort(key=lambda r: int(m.group()[5:]) if (m := SEED.search(r)) else 0)
     rows = []
     for recipe, runs in sorted(groups.items()):
         if len(runs) < 2 or recipe not in runs:
@@ -124,17 +132,21 @@ def seed_table(gaps: dict[str, tuple]) -> list[str]:
         mean = sum(means) / k
         sd = math.sqrt(sum((m - mean) ** 2 for m in means) / (k - 1))
         half = T95.get(k - 1, 1.96) * sd / math.sqrt(k)
+        shared = set.intersection(*(set(gaps[r][3]) for r in runs))
+        fixed = fmt_gap(mean_ci([sum(gaps[r][3][u] for r in runs) / k for u in sorted(shared)]))
         below = sum(gaps[r][0][0] + gaps[r][0][1] < 0 for r in runs)
         above = sum(gaps[r][0][0] - gaps[r][0][1] > 0 for r in runs)
-        per_seed = "; ".join(f"{r}: {fmt_gap(gaps[r][0])} vs {gaps[r][1]} @ {gaps[r][2]:.1f}"
-                             for r in runs)
+        per_seed = "; ".join(f"{r} ({gaps[r][2]:.1f}% evicted): {fmt_gap(gaps[r][0])} vs "
+                             f"{gaps[r][1]}" for r in runs)
         rows.append(f"| {recipe} | {k} | {per_seed} | {mean:+.4f} "
-                    f"[{mean - half:+.4f}, {mean + half:+.4f}] | {below} below, {above} above |")
+                    f"[{mean - half:+.4f}, {mean + half:+.4f}] | {fixed} | "
+                    f"{below} below, {above} above |")
     if not rows:
         return []
     return ["the same recipe over seeds (gate - best heuristic, log-PPL)", "",
             ("| recipe | seeds | each seed's paired gap, 95% CI over windows | mean over seeds, "
-             "95% t CI over seeds | seeds resolved below / above 0 |"), "|---" * 5 + "|",
+             "95% t CI over seeds | mean over seeds, 95% CI over windows (these gates) | "
+             "seeds resolved below / above 0 |"), "|---" * 6 + "|",
             *rows, ""]
 
 

@@ -1,5 +1,5 @@
 """bench/summarize_ablation.py: the heuristic nearest the gate's eviction, the paired gap over
-the gate's windows, and a recipe's seeds pooled into one row."""
+the gate's windows, and a recipe's seeds pooled into one row (over seeds and over windows)."""
 
 from __future__ import annotations
 
@@ -55,5 +55,11 @@ def test_gap_to_the_nearest_budget_and_seeds_pooled(tmp_path):
     sd = math.sqrt(((-0.02 + 0.02) ** 2 + (-0.04 + 0.02) ** 2 + (0.0 + 0.02) ** 2) / 2)
     half = 4.303 * sd / math.sqrt(3)
     assert seeds[0][4].strip() == f"{-0.02:+.4f} [{-0.02 - half:+.4f}, {-0.02 + half:+.4f}]"
-    assert seeds[0][5].strip() == "2 below, 0 above"
+    # holding the three gates fixed: their average gap per window, interval over windows
+    avg = [(-0.02 - 0.04 + d) / 3 for d in (.1, -.1, .1, -.1)]
+    sd_w = math.sqrt(sum((a + 0.02) ** 2 for a in avg) / 3)
+    half_w = 1.96 * sd_w / 2
+    assert seeds[0][5].strip() == f"{-0.02:+.4f} [{-0.02 - half_w:+.4f}, {-0.02 + half_w:+.4f}] (n=4)"
+    assert seeds[0][6].strip() == "2 below, 0 above"
+    assert seeds[0][3].strip().startswith("run (51.0% evicted): -0.0200")  # seed 0 first
     assert "other" in rows  # a recipe with one seed is in the main table only
