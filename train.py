@@ -89,7 +89,7 @@ def move_outputs(trainer, run_dir: str) -> None:
     for callback in trainer.get("callbacks") or []:
         init = getattr(callback, "init_args", None)
         short = str(getattr(callback, "class_path", "")).rsplit(".", 1)[-1]
-        if short in _OUTPUT_DIRS:
+        if short in _OUTPUT_DIRS and init is not None:
             key, sub = _OUTPUT_DIRS[short]
             setattr(init, key, str(root / sub))
         elif init is not None and any(k in init for k in ("dirpath", "save_dir", "log_dir")):

@@ -14,8 +14,9 @@ excludes 0 is a difference the sample can resolve.
 
 Gates trained with other seeds (``gate_<run>_seed<k>``, e.g. from ``run_results.sh pplseed``)
 are also pooled with their seed-0 run (``gate_<run>``) in a second table: each seed's paired
-gap, their mean, and a t interval over seeds, which is what says whether the *recipe* (not
-one trained gate) beats the heuristic.
+gap, their mean with a t interval over seeds (whether the *recipe*, not one trained gate,
+beats the heuristic), and the seeds' average gap per window with an interval over windows
+(these trained gates held fixed).
 """
 
 from __future__ import annotations
@@ -74,7 +75,8 @@ def table(folder: Path) -> list[str]:
     full = [r for r in heur.values() if r["policy"] == "full" and r.get("complete")]
     rows = []
     task = None
-    gaps: dict[str, tuple] = {}   # run -> (paired gap, best heuristic's name) for the seed table
+    # run -> (paired gap, best heuristic's name, gate %Evict, gap per window): the seed table
+    gaps: dict[str, tuple] = {}
     for gate_file in sorted(folder.glob("gate_*/results.json")):
         for rec in load(gate_file).values():
             task = rec["task"]
