@@ -50,6 +50,14 @@ kept = {round(1 - rec["evict_pct"] / 100, 2)
 print(",".join(f"{k:.2f}" for k in sorted(kept)))
 PY
 }
+# seed_run RUN SEED ARGS...: train.py ARGS as seed SEED with every output under RUN, unless
+# RUN already has its export; a run with a last.ckpt resumes from it
+seed_run() {
+  local run=$1 seed=$2; shift 2
+  [ -f "$run/gated/kvgate_config.json" ] && return 0
+  local resume=(); [ -f "$run/checkpoints/last.ckpt" ] && resume=(--ckpt_path last)
+  python train.py "$@" --seed_everything "$seed" --run_dir "$run" "${resume[@]}"
+}
 # the config layers of abl_mc_tasks, under which its variants stack theirs
 MC_TASKS=(--config cpt_recipe --config configs/ablation/mc_short.yaml
   --config configs/ablation/mc_tasks.yaml)
@@ -211,11 +219,7 @@ case "${1:-all}" in
     for s in recent128_long recent128_more oneshot128_1024 oneshot128_more; do
       chain+=(--config configs/ablation/$s.yaml)
       run=runs/abl_${s}_seed$seed
-      if [ ! -f "$run/gated/kvgate_config.json" ]; then
-        resume=(); [ -f "$run/checkpoints/last.ckpt" ] && resume=(--ckpt_path last)
-        python train.py "${chain[@]}" --seed_everything "$seed" --run_dir "$run" "${start[@]}" \
-          "${resume[@]}"
-      fi
+      seed_run "$run" "$seed" "${chain[@]}" "${start[@]}"
       start=(--model.init_from "$run/gated")   # the next stage starts from this one
     done
     win=(--docs 4000 --context 1024 --continuation 1024 --windows 64 --no-progress)
@@ -229,11 +233,7 @@ case "${1:-all}" in
   ctx256seed) # abl_recent64_256 (the 256-token win) again with another seed (SEED), then its
     # gate at tau 0.5 and 0.56 and the heuristics at its evictions over the same 128 windows
     seed=$2; run=runs/abl_recent64_256_seed$seed; out=results/ppl_ctx256
-    if [ ! -f "$run/gated/kvgate_config.json" ]; then
-      resume=(); [ -f "$run/checkpoints/last.ckpt" ] && resume=(--ckpt_path last)
-      python train.py --config cpt_recipe --config configs/ablation/recent64_256.yaml \
-        --seed_everything "$seed" --run_dir "$run" "${resume[@]}"
-    fi
+    seed_run "$run" "$seed" --config cpt_recipe --config configs/ablation/recent64_256.yaml
     win=(--docs 2000 --context 256 --continuation 256 --windows 128 --no-progress)
     python -m kvgate.eval ppl --checkpoint "$run/gated" --policies attention_gate "${win[@]}" \
       --out "$out/gate_abl_recent64_256_seed$seed"

@@ -75,7 +75,7 @@ def table(folder: Path) -> list[str]:
     full = [r for r in heur.values() if r["policy"] == "full" and r.get("complete")]
     rows = []
     task = None
-    # run -> (paired gap, best heuristic's name, gate %Evict, gap per window): the seed table
+    # run -> (gap per window, best heuristic's name, gate %Evict): the seed table
     gaps: dict[str, tuple] = {}
     for gate_file in sorted(folder.glob("gate_*/results.json")):
         for rec in load(gate_file).values():
@@ -103,7 +103,7 @@ def table(folder: Path) -> list[str]:
             per_window = {} if best is None else window_gaps(rec, best)
             paired = mean_ci(list(per_window.values()))
             if paired is not None:
-                gaps[run] = (paired, best["policy"], rec["evict_pct"], per_window)
+                gaps[run] = (per_window, best["policy"], rec["evict_pct"])
             rows.append("| " + " | ".join(line + [gap, fmt_gap(paired)]) + " |")
     head = [f"context {folder.name} ({task}); base model PPL "
             + (f"{full[0]['ppl']:.3f} over {full[0]['tokens']:,} tokens" if full else "n/a"),
@@ -129,16 +129,17 @@ def seed_table(gaps: dict[str, tuple]) -> list[str]:
     for recipe, runs in sorted(groups.items()):
         if len(runs) < 2 or recipe not in runs:
             continue
-        means = [gaps[r][0][0] for r in runs]
+        paired = {r: mean_ci(list(gaps[r][0].values())) for r in runs}
+        means = [paired[r][0] for r in runs]
         k = len(means)
         mean = sum(means) / k
         sd = math.sqrt(sum((m - mean) ** 2 for m in means) / (k - 1))
         half = T95.get(k - 1, 1.96) * sd / math.sqrt(k)
-        shared = set.intersection(*(set(gaps[r][3]) for r in runs))
-        fixed = fmt_gap(mean_ci([sum(gaps[r][3][u] for r in runs) / k for u in sorted(shared)]))
-        below = sum(gaps[r][0][0] + gaps[r][0][1] < 0 for r in runs)
-        above = sum(gaps[r][0][0] - gaps[r][0][1] > 0 for r in runs)
-        per_seed = "; ".join(f"{r} ({gaps[r][2]:.1f}% evicted): {fmt_gap(gaps[r][0])} vs "
+        shared = set.intersection(*(set(gaps[r][0]) for r in runs))
+        fixed = fmt_gap(mean_ci([sum(gaps[r][0][u] for r in runs) / k for u in sorted(shared)]))
+        below = sum(paired[r][0] + paired[r][1] < 0 for r in runs)
+        above = sum(paired[r][0] - paired[r][1] > 0 for r in runs)
+        per_seed = "; ".join(f"{r} ({gaps[r][2]:.1f}% evicted): {fmt_gap(paired[r])} vs "
                              f"{gaps[r][1]}" for r in runs)
         rows.append(f"| {recipe} | {k} | {per_seed} | {mean:+.4f} "
                     f"[{mean - half:+.4f}, {mean + half:+.4f}] | {fixed} | "
