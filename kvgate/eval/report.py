@@ -10,10 +10,16 @@ A KEY names one (kind, task, policy, budget, mode) run, e.g. ``mc|rte|snapkv|0.5
 The file is rewritten atomically after every batch (at most every ``flush_s`` seconds) and
 when a key completes, so an interrupted run keeps its finished keys *and* the examples of the
 key it was in; a second run skips complete keys and finished examples.
+
+Several runs may share one folder at once (e.g. two budgets side by side): each save takes an
+exclusive lock, re-reads the file and merges: the keys this run has stored are its own, every
+other key is the file's, so no run overwrites the keys of another (a key two runs both work on
+holds the copy saved last).
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from collections import defaultdict
@@ -27,6 +33,28 @@ from kvgate.policies.base import Budget
 
 RESULTS = "results.json"
 TABLE = "results.md"
+LOCK = ".results.json.lock"
+
+try:
+    import fcntl
+except ImportError:  # Windows: no advisory locks; one run per folder there
+    fcntl = None
+
+
+@contextlib.contextmanager
+def _folder_lock(folder: Path):
+    folder.mkdir(parents=True, exist_ok=True)
+    if fcntl is None:
+        yield
+        return
+    # the lock file stays behind on purpose: removing it would let a waiting run lock a file
+    # that no longer has a name while a newcomer locks a new one
+    with open(folder / LOCK, "a") as f:
+        fcntl.flock(f.fileno(), fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f.fileno(), fcntl.LOCK_UN)
 
 
 def budget_label(budget: Budget | None) -> str:
@@ -57,16 +85,24 @@ class ResultStore:
         self.path = self.dir / RESULTS
         self.flush_s = flush_s
         self._last = -math.inf  # the first partial state is written at once
-        data = read_json(self.path) if self.path.exists() else None
-        if self.path.exists() and data is None:
-            raise EvalError(f"{self.path} exists but is not readable JSON; move it away")
-        data = data or {"meta": dict(meta), "results": {}}
+        self._meta = dict(meta)
+        self._touched: set[str] = set()  # keys this run has put; the others are the file's
+        self.data = self._read() or {"meta": dict(meta), "results": {}}
+
+    def _read(self) -> dict[str, Any] | None:
+        """The file's contents, checked to come from the same model and checkpoint."""
+        if not self.path.exists():
+            return None
+        data = read_json(self.path)
+        if not isinstance(data, dict) or not isinstance(data.get("results"), dict):
+            raise EvalError(f"{self.path} exists but is not readable JSON of results; move it "
+                            "away")
         old = data.get("meta", {})
         for field in ("model", "checkpoint", "others_on"):
-            if old.get(field) != meta.get(field):
+            if old.get(field) != self._meta.get(field):
                 raise EvalError(f"{self.path} holds results of {field} {old.get(field)!r}, not "
-                                f"{meta.get(field)!r}; use another --out folder")
-        self.data = data
+                                f"{self._meta.get(field)!r}; use another --out folder")
+        return data
 
     @property
     def results(self) -> dict[str, dict[str, Any]]:
@@ -84,11 +120,21 @@ class ResultStore:
         """Store a key's state; written now when complete, else at most every ``flush_s``."""
         self.results[key] = {**split_key(key), **summary, "complete": complete,
                              "examples": examples}
+        self._touched.add(key)
         if complete or time.monotonic() - self._last >= self.flush_s:
             self.save()
 
     def save(self) -> None:
-        write_json_atomic(self.path, self.data)
+        """Merge this run's keys into the file as it is now, under the folder's lock."""
+        with _folder_lock(self.dir):
+            disk = self._read()
+            if disk is not None:
+                merged = disk["results"]
+                for key, mine in self.results.items():
+                    if key in self._touched or key not in merged:
+                        merged[key] = mine
+                self.data["results"] = merged
+            write_json_atomic(self.path, self.data)
         self._last = time.monotonic()
 
     def complete_results(self, kind: str | None = None) -> list[dict[str, Any]]:

@@ -96,3 +96,67 @@ def test_partial_state_is_flushed_on_a_timer_and_on_completion(tmp_path):
     st.put(key, {}, {"a": {}, "b": {}}, complete=True)
     on_disk = json.loads((tmp_path / "results.json").read_text())["results"][key]
     assert on_disk["complete"] and sorted(on_disk["examples"]) == ["a", "b"]
+
+
+def _store(tmp_path, model="m"):
+    return ResultStore(tmp_path, {"model": model, "checkpoint": None}, flush_s=0.0)
+
+
+def _on_disk(tmp_path):
+    return json.loads((tmp_path / "results.json").read_text())["results"]
+
+
+def test_two_runs_on_one_folder_keep_each_others_keys(tmp_path):
+    a, b = _store(tmp_path), _store(tmp_path)  # both open the folder before either writes
+    ka, kb = (make_key("ppl", "docs", p, "0.5", "masked") for p in ("h2o", "snapkv"))
+    a.put(ka, {"ppl": 7.0}, {}, complete=True)
+    b.put(kb, {"ppl": 8.0}, {}, complete=True)  # b never saw ka, yet must not drop it
+    assert sorted(_on_disk(tmp_path)) == sorted([ka, kb])
+    a.put(make_key("ppl", "docs", "h2o", "0.3", "masked"), {"ppl": 9.0}, {}, complete=True)
+    assert len(_on_disk(tmp_path)) == 3
+    assert kb in a.results  # a's table is written from the merged view
+
+
+def test_a_run_owns_the_keys_it_stores_and_takes_the_others_from_the_file(tmp_path):
+    key = make_key("mc", "rte", "h2o", "0.5", "masked")
+    other = make_key("mc", "rte", "snapkv", "0.5", "masked")
+    first = _store(tmp_path)
+    first.put(key, {"acc": 60.0}, {"1": {}, "2": {}}, complete=True)
+    first.put(other, {}, {"1": {}}, complete=False)
+    a = _store(tmp_path)  # loads both keys
+    b = _store(tmp_path)
+    b.put(other, {"acc": 50.0}, {"1": {}, "2": {}}, complete=True)
+    a.put(key, {}, {"1": {}}, complete=False)  # a redoes key on purpose (e.g. a larger --limit)
+    on_disk = _on_disk(tmp_path)
+    assert not on_disk[key]["complete"]  # a's own key: its copy, even though it is behind
+    assert on_disk[other]["complete"]  # a's stale copy of b's key does not overwrite b's
+    assert a.results[other]["acc"] == 50.0
+
+
+def test_a_folder_taken_over_by_another_model_is_refused_at_save(tmp_path):
+    st = _store(tmp_path)
+    (tmp_path / "results.json").write_text(json.dumps(
+        {"meta": {"model": "other", "checkpoint": None}, "results": {}}))
+    with pytest.raises(EvalError, match="model 'other'"):
+        st.put(make_key("ppl", "docs", "h2o", "0.5", "masked"), {}, {}, complete=True)
+    assert _on_disk(tmp_path) == {}  # the other model's file is left as it was
+
+
+def _hammer(folder, name, n):
+    st = ResultStore(folder, {"model": "m", "checkpoint": None}, flush_s=0.0)
+    for i in range(n):
+        st.put(make_key("ppl", "docs", name, f"{i}", "masked"), {"ppl": float(i)}, {},
+               complete=True)
+
+
+def test_concurrent_processes_lose_no_key(tmp_path):
+    import multiprocessing as mp
+    ctx = mp.get_context("fork")
+    procs = [ctx.Process(target=_hammer, args=(tmp_path, name, 40)) for name in ("a", "b", "c")]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(60)
+        assert p.exitcode == 0
+    assert len(_on_disk(tmp_path)) == 120
+    assert not list(tmp_path.glob(".results.json.*.tmp"))  # no temporary file left behind
