@@ -16,8 +16,8 @@ Examples:
 Every run appends to ``OUT/results.json`` (resumable: finished keys and examples are skipped)
 and rewrites ``OUT/results.md`` and the plots. Runs of the same model may share OUT at once
 (say, two budgets side by side): each save merges under a lock, so none drops another's keys.
-Budgets are ratios of each context's real
-length (0.5 keeps half the entries of every KV head) or integer token counts (> 1).
+Budgets are ratios of each context's real length (0.5 keeps half the entries of every KV head)
+or integer token counts (> 1).
 Policy options: ``--policy-opt snapkv.window=16`` (repeatable; VALUE parsed as JSON when it
 can be). ``--policies snapkv,snapkv10=snapkv --policy-opt snapkv10.window=0.1`` runs one
 policy under a second label with other options. Bad arguments print one line and exit 2.
