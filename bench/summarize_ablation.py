@@ -17,6 +17,12 @@ are also pooled with their seed-0 run (``gate_<run>``) in a second table: each s
 gap, their mean with a t interval over seeds (whether the *recipe*, not one trained gate,
 beats the heuristic), and the seeds' average gap per window with an interval over windows
 (these trained gates held fixed).
+
+``--plot DIR`` also draws perplexity against %Evict per folder (heuristic curves over their
+budgets, a gate's keep thresholds as its curve), every point over the same windows:
+
+    python bench/summarize_ablation.py results/ppl_ctx256 --plot docs/figures \
+        --runs '^abl_recent64_256'
 """
 
 from __future__ import annotations
@@ -153,13 +159,60 @@ def seed_table(gaps: dict[str, tuple]) -> list[str]:
             *rows, ""]
 
 
+TAU = re.compile(r"_tau\d+")
+CURVES = ("full", "h2o", "snapkv", "streaming")
+
+
+def curve_records(folder: Path, runs: re.Pattern | None = None) -> tuple[list[dict], list[str]]:
+    """Perplexity against eviction over one text: the heuristics at every budget they were run
+    at (``random`` left out: an order of magnitude above the rest, it would flatten them) and
+    the gates whose run matches ``runs``, one series per trained gate (its ``_tau<k>`` rows,
+    the same checkpoint at other keep thresholds, join it). Every point is re-scored over the
+    windows all the plotted gates share, so the curves are over the same text; a heuristic
+    record without all of them is left out and named in the second return value."""
+    gates = []
+    for gate_file in sorted(folder.glob("gate_*/results.json")):
+        run = gate_file.parent.name.removeprefix("gate_")
+        if runs is None or runs.search(run):
+            gates += [(TAU.sub("", run), rec) for rec in load(gate_file).values()
+                      if rec.get("complete")]
+    if not gates:
+        return [], []
+    uids = set.intersection(*(set(rec.get("examples", {})) for _, rec in gates))
+    points = [{"kind": "ppl", "task": rec["task"], "policy": f"gate {series}",
+               "evict_pct": rec["evict_pct"], "ppl": ppl_over(rec, uids)} for series, rec in gates]
+    skipped = []
+    for rec in load(folder / "heuristics" / "results.json").values():
+        if rec["policy"] not in CURVES or not rec.get("complete"):
+            continue
+        if uids <= set(rec.get("examples", {})):
+            points.append({"kind": "ppl", "task": rec["task"], "policy": rec["policy"],
+                           "evict_pct": rec["evict_pct"], "ppl": ppl_over(rec, uids)})
+        else:
+            skipped.append(f"{rec['policy']} @ {rec['evict_pct']:.1f}%")
+    return points, skipped
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("folders", nargs="+", type=Path)
+    parser.add_argument("--plot", type=Path, metavar="DIR",
+                        help="also draw <DIR>/<folder>_vs_eviction.png: perplexity against "
+                             "%%Evict for the heuristics and the gates over the same windows")
+    parser.add_argument("--runs", type=re.compile, metavar="REGEX",
+                        help="with --plot: only the gate runs this regex matches")
     args = parser.parse_args()
     for folder in args.folders:
         print("\n".join(table(folder)))
+        if args.plot is not None:
+            from kvgate.eval.report import plot_ppl_vs_eviction
+
+            points, skipped = curve_records(folder, args.runs)
+            args.plot.mkdir(parents=True, exist_ok=True)
+            path = plot_ppl_vs_eviction(points, args.plot / f"{folder.name}_vs_eviction.png")
+            print(f"plot: {path}" + (f" (without {', '.join(skipped)}: fewer windows)"
+                                     if skipped else ""))
     return 0
 
 

@@ -221,15 +221,44 @@ def plot_accuracy_vs_eviction(results: Sequence[dict[str, Any]], path: str | Pat
                     for (p, _, _), g in groups.items() if len(g) == len(tasks)]
         else:
             rows = [r for r in mc if r["task"] == task]
-        for policy in sorted({r["policy"] for r in rows}):
-            pts = sorted((r["evict_pct"], r["acc"]) for r in rows if r["policy"] == policy)
-            line = ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=policy)
-            if policy == "full":  # the no-eviction reference, drawn across the whole range
-                ax.axhline(pts[0][1], color=line[0].get_color(), linestyle="--", linewidth=0.8)
-        ax.set_title(task)
-        ax.set_xlabel("%Evict")
-        ax.set_ylabel("accuracy %")
-        ax.grid(alpha=0.3)
+        _draw_series(ax, rows, "acc", task, "accuracy %")
+    return _save(plt, fig, axes, path)
+
+
+def plot_ppl_vs_eviction(results: Sequence[dict[str, Any]], path: str | Path) -> Path | None:
+    """Perplexity (log scale where it spans more than 3x) against %Evict, one panel per text/context, one series per
+    policy (points joined in eviction order; a policy run at several keep thresholds or
+    budgets becomes a curve). None when there is nothing to plot."""
+    ppl = [r for r in results if r.get("kind") == "ppl" and r.get("ppl") is not None]
+    if not ppl:
+        return None
+    plt = _pyplot()
+    tasks = sorted({r["task"] for r in ppl})
+    fig, axes = plt.subplots(1, len(tasks), figsize=(5.5 * len(tasks), 4.2), squeeze=False)
+    for ax, task in zip(axes[0], tasks):
+        rows = [r for r in ppl if r["task"] == task]
+        _draw_series(ax, rows, "ppl", task, "perplexity")
+        values = [r["ppl"] for r in rows]
+        if max(values) > 3 * min(values):  # a log axis only where one is needed to see both ends
+            ax.set_yscale("log")
+    return _save(plt, fig, axes, path)
+
+
+def _draw_series(ax: Any, rows: Sequence[dict[str, Any]], metric: str, title: str,
+                 ylabel: str) -> None:
+    for policy in sorted({r["policy"] for r in rows}):
+        pts = sorted((r["evict_pct"], r[metric]) for r in rows if r["policy"] == policy)
+        if policy == "full":  # the no-eviction reference: a line, so 0% does not set the range
+            ax.axhline(pts[0][1], color="black", linestyle="--", linewidth=0.8, label=policy)
+        else:
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=policy)
+    ax.set_title(title)
+    ax.set_xlabel("%Evict")
+    ax.set_ylabel(ylabel)
+    ax.grid(alpha=0.3)
+
+
+def _save(plt: Any, fig: Any, axes: Any, path: str | Path) -> Path:
     axes[0][-1].legend(fontsize=7, loc="best")
     fig.tight_layout()
     path = Path(path)
@@ -310,5 +339,8 @@ def write_outputs(store: ResultStore) -> list[Path]:
     acc = plot_accuracy_vs_eviction(results, store.dir / "accuracy_vs_eviction.png")
     if acc is not None:
         paths.append(acc)
+    ppl = plot_ppl_vs_eviction(results, store.dir / "ppl_vs_eviction.png")
+    if ppl is not None:
+        paths.append(ppl)
     paths.extend(plot_needle_heatmaps(results, store.dir))
     return paths

@@ -72,6 +72,18 @@ def test_write_outputs_makes_table_and_plots(tmp_path):
     assert saved["meta"]["model"] == "m" and len(saved["results"]) == 11
 
 
+def test_perplexity_results_get_a_ppl_vs_eviction_plot(tmp_path):
+    st = ResultStore(tmp_path, {"model": "m", "checkpoint": None}, flush_s=3600)
+    st.put(make_key("ppl", "corpus@8+8", "full", "none", "masked"),
+           {"ppl": 10.0, "evict_pct": 0.0, "n": 4}, {}, complete=True)
+    for b, ppl in (("0.5", 11.0), ("0.3", 14.0)):
+        st.put(make_key("ppl", "corpus@8+8", "h2o", b, "masked"),
+               {"ppl": ppl, "evict_pct": 100 * (1 - float(b)), "n": 4}, {}, complete=True)
+    names = sorted(p.name for p in write_outputs(st))
+    assert names == ["ppl_vs_eviction.png", "results.md"]  # no accuracy plot without mc keys
+    assert (tmp_path / "ppl_vs_eviction.png").read_bytes()[:4] == PNG
+
+
 def test_eviction_pattern_plot(tmp_path):
     keep = torch.rand(3, 2, 20) > 0.5
     path = plot_eviction_pattern(keep, tmp_path / "p.png", "gate", [f"t{i}" for i in range(20)])

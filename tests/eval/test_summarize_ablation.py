@@ -6,7 +6,12 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
+import re
 from pathlib import Path
+
+import pytest
+
+from kvgate.eval.report import plot_ppl_vs_eviction
 
 ROOT = Path(__file__).resolve().parents[2]
 _spec = importlib.util.spec_from_file_location(
@@ -63,3 +68,22 @@ def test_gap_to_the_nearest_budget_and_seeds_pooled(tmp_path):
     assert seeds[0][6].strip() == "2 below, 0 above"
     assert seeds[0][3].strip().startswith("run (51.0% evicted): -0.0200")  # seed 0 first
     assert "other" in rows  # a recipe with one seed is in the main table only
+
+
+def test_curves_share_the_gates_windows_and_join_a_gates_thresholds(tmp_path):
+    h2o = [2.0, 2.2, 1.8, 2.0, 5.0]  # the fifth window: scored by the heuristic only
+    write(tmp_path, "heuristics", record("full", 0, [1.8] * 5), record("h2o", 50.0, h2o),
+          record("h2o", 40.0, [x - 0.1 for x in h2o]), record("random", 50.0, [9.0] * 5),
+          record("snapkv", 50.0, h2o[:3]))  # lacks a gate window: left out, named
+    write(tmp_path, "gate_run", record("attention_gate", 42.0, [1.9] * 4))
+    write(tmp_path, "gate_run_tau56", record("gate_tau56", 50.0, [1.95] * 4))
+    write(tmp_path, "gate_other", record("attention_gate", 50.0, [3.0] * 4))
+    points, skipped = summarize_ablation.curve_records(tmp_path, re.compile(r"^run"))
+    by = {(p["policy"], p["evict_pct"]): p["ppl"] for p in points}
+    assert set(by) == {("gate run", 42.0), ("gate run", 50.0), ("full", 0),
+                       ("h2o", 50.0), ("h2o", 40.0)}  # no random, no other gate, no snapkv
+    assert skipped == ["snapkv @ 50.0%"]
+    assert by[("h2o", 50.0)] == pytest.approx(math.exp(2.0))  # over the gates' four windows
+    assert by[("gate run", 50.0)] == pytest.approx(math.exp(1.95))
+    path = plot_ppl_vs_eviction(points, tmp_path / "curve.png")
+    assert path.read_bytes()[:4] == b"\x89PNG"
