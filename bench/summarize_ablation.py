@@ -176,9 +176,9 @@ def curve_records(folder: Path, runs: re.Pattern | None = None) -> tuple[list[di
         if runs is None or runs.search(run):
             gates += [(TAU.sub("", run), rec) for rec in load(gate_file).values()
                       if rec.get("complete")]
-    if not gates:
+    uids = set.intersection(*(set(rec.get("examples", {})) for _, rec in gates)) if gates else set()
+    if not uids:  # no gate, or gates over disjoint text: no curve can be drawn over one text
         return [], []
-    uids = set.intersection(*(set(rec.get("examples", {})) for _, rec in gates))
     points = [{"kind": "ppl", "task": rec["task"], "policy": f"gate {series}",
                "evict_pct": rec["evict_pct"], "ppl": ppl_over(rec, uids)} for series, rec in gates]
     skipped = []
@@ -211,8 +211,12 @@ def main() -> int:
             points, skipped = curve_records(folder, args.runs)
             args.plot.mkdir(parents=True, exist_ok=True)
             path = plot_ppl_vs_eviction(points, args.plot / f"{folder.name}_vs_eviction.png")
-            print(f"plot: {path}" + (f" (without {', '.join(skipped)}: fewer windows)"
-                                     if skipped else ""))
+            if path is None:
+                print(f"plot: nothing drawn for {folder}: no complete gate run matched, or the "
+                      "matched ones share no window")
+            else:
+                print(f"plot: {path}" + (f" (without {', '.join(skipped)}: fewer windows)"
+                                         if skipped else ""))
     return 0
 
 

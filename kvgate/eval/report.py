@@ -226,9 +226,9 @@ def plot_accuracy_vs_eviction(results: Sequence[dict[str, Any]], path: str | Pat
 
 
 def plot_ppl_vs_eviction(results: Sequence[dict[str, Any]], path: str | Path) -> Path | None:
-    """Perplexity (log scale where it spans more than 3x) against %Evict, one panel per text/context, one series per
-    policy (points joined in eviction order; a policy run at several keep thresholds or
-    budgets becomes a curve). None when there is nothing to plot."""
+    """Perplexity against %Evict (a log axis where it spans more than 3x), one panel per
+    text and context, one series per policy (points joined in eviction order: a policy run at
+    several keep thresholds or budgets becomes a curve). None when there is nothing to plot."""
     ppl = [r for r in results if r.get("kind") == "ppl" and r.get("ppl") is not None]
     if not ppl:
         return None

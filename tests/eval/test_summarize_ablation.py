@@ -87,3 +87,14 @@ def test_curves_share_the_gates_windows_and_join_a_gates_thresholds(tmp_path):
     assert by[("gate run", 50.0)] == pytest.approx(math.exp(1.95))
     path = plot_ppl_vs_eviction(points, tmp_path / "curve.png")
     assert path.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_no_curve_without_a_shared_window(tmp_path):
+    write(tmp_path, "heuristics", record("h2o", 50.0, [2.0] * 4))
+    write(tmp_path, "gate_run", record("attention_gate", 42.0, [1.9] * 4))
+    assert summarize_ablation.curve_records(tmp_path, re.compile("nomatch")) == ([], [])
+    other = record("attention_gate", 40.0, [1.9] * 2)
+    other["examples"] = {"x0": other["examples"]["w0"]}  # scored other text than gate_run
+    write(tmp_path, "gate_run_seed1", other)
+    assert summarize_ablation.curve_records(tmp_path, re.compile("^run")) == ([], [])
+    assert plot_ppl_vs_eviction([], tmp_path / "none.png") is None
