@@ -244,6 +244,29 @@ case "${1:-all}" in
     python -m kvgate.eval ppl --model smollm2-135m --policies h2o,snapkv,streaming,random \
       --budgets "$budgets" "${win[@]}" --out "$out/heuristics"
     python bench/summarize_ablation.py "$out" ;;
+  curve256) # the five 256-token gates (abl_recent64_256, seeds 0-4) at keep thresholds 0.6
+    # and 0.65 (trained at 0.5; 0.56 is the ctx256seed step), so each gate is a curve over
+    # ~40-60% eviction, with H2O at every eviction they reach and SnapKV and StreamingLLM at
+    # 55-65% for their curves. Two queues side by side: PART a (seeds 0-2) and b (seeds 3-4,
+    # then SnapKV and StreamingLLM)
+    part=${2:-}; out=results/ppl_ctx256
+    [[ "$part" =~ ^[ab]$ ]] || { echo "usage: $0 curve256 a|b" >&2; exit 2; }
+    win=(--docs 2000 --context 256 --continuation 256 --windows 128 --no-progress)
+    seeds=("" _seed1 _seed2); [ "$part" = b ] && seeds=(_seed3 _seed4)
+    gates=()
+    for s in "${seeds[@]}"; do
+      for tau in 60 65; do
+        python -m kvgate.eval ppl --checkpoint "runs/abl_recent64_256$s/gated" \
+          --policies "gate_tau$tau=attention_gate" --policy-opt "gate_tau$tau.tau=0.$tau" \
+          "${win[@]}" --out "$out/gate_abl_recent64_256${s}_tau$tau"
+        gates+=("$out/gate_abl_recent64_256${s}_tau$tau/results.json")
+      done
+    done
+    python -m kvgate.eval ppl --model smollm2-135m --policies h2o \
+      --budgets "$(kept_ratios "${gates[@]}")" "${win[@]}" --out "$out/heuristics"
+    [ "$part" = b ] && python -m kvgate.eval ppl --model smollm2-135m \
+      --policies snapkv,streaming --budgets 0.45,0.4,0.35 "${win[@]}" --out "$out/heuristics"
+    python bench/summarize_ablation.py "$out" ;;
   headroom) # how far the best heuristics sit below the full cache on the 7 tasks (base model)
     mc=(--model smollm2-135m --tasks $TASKS7 --limit 200 --budgets 0.5,0.3 --no-progress)
     python -m kvgate.eval mc "${mc[@]}" --policies h2o --mode masked --out results/mc_headroom_a
@@ -255,5 +278,5 @@ case "${1:-all}" in
     python -m kvgate.eval mc "${mc[@]}" --budgets 0.3 --out results/mc_headroom_c
     python bench/summarize_mc.py results/mc_headroom_a results/mc_headroom_b \
       results/mc_headroom_c results/mc_short_full --paired full --any-mode ;;
-  *) echo "usage: $0 base|cpt|sft|gate CKPT OUT|sfteval|ppl CKPT OUT BUDGETS|ablation|pplctx CTX CONT WINDOWS OUT GATE...|needle|mcshort|mctasks|mctasksall|mctaskslora|mctasksseed1|mctasksbidir|mctasksb22|mctasksranked|pplseed SEED|ctx256seed SEED|headroom" >&2; exit 2 ;;
+  *) echo "usage: $0 base|cpt|sft|gate CKPT OUT|sfteval|ppl CKPT OUT BUDGETS|ablation|pplctx CTX CONT WINDOWS OUT GATE...|needle|mcshort|mctasks|mctasksall|mctaskslora|mctasksseed1|mctasksbidir|mctasksb22|mctasksranked|pplseed SEED|ctx256seed SEED|curve256 a|b|headroom" >&2; exit 2 ;;
 esac
