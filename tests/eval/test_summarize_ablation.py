@@ -98,3 +98,14 @@ def test_no_curve_without_a_shared_window(tmp_path):
     write(tmp_path, "gate_run_seed1", other)
     assert summarize_ablation.curve_records(tmp_path, re.compile("^run")) == ([], [])
     assert plot_ppl_vs_eviction([], tmp_path / "none.png") is None
+
+
+def test_seeds_pool_without_seed_zero(tmp_path):
+    h2o = [2.0, 2.1, 1.9, 2.0]
+    write(tmp_path, "heuristics", record("h2o", 50.0, h2o))
+    write(tmp_path, "gate_run_seed1_tau60", record("g", 50.0, [x - 0.02 for x in h2o]))
+    write(tmp_path, "gate_run_seed2_tau60", record("g", 50.0, [x - 0.04 for x in h2o]))
+    lines = summarize_ablation.table(tmp_path)
+    seeds = [line.split("|") for line in lines if line.startswith("| run_tau60 ")]
+    assert len(seeds) == 1 and seeds[0][2].strip() == "2"
+    assert seeds[0][4].strip().startswith(f"{-0.03:+.4f}")
