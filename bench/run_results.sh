@@ -251,7 +251,7 @@ case "${1:-all}" in
     # (seeds 1-2) and b (seeds 3-4, then SnapKV and StreamingLLM). Seed 0's gate
     # (runs/abl_recent64_256) was not on the machine that ran this; add "" to a's seeds for it
     part=${2:-}; out=results/ppl_ctx256
-    [[ "$part" =~ ^[ab]$ ]] || { echo "usage: $0 curve256 a|b" >&2; exit 2; }
+    [[ "$part" =~ ^[ab]$ ]] || { echo "curve256: PART must be a or b" >&2; exit 2; }
     win=(--docs 2000 --context 256 --continuation 256 --windows 128 --no-progress)
     seeds=(_seed1 _seed2); [ "$part" = b ] && seeds=(_seed3 _seed4)
     gates=()
@@ -279,5 +279,5 @@ case "${1:-all}" in
     python -m kvgate.eval mc "${mc[@]}" --budgets 0.3 --out results/mc_headroom_c
     python bench/summarize_mc.py results/mc_headroom_a results/mc_headroom_b \
       results/mc_headroom_c results/mc_short_full --paired full --any-mode ;;
-  *) echo "usage: $0 base|cpt|sft|gate CKPT OUT|sfteval|ppl CKPT OUT BUDGETS|ablation|pplctx CTX CONT WINDOWS OUT GATE...|needle|mcshort|mctasks|mctasksall|mctaskslora|mctasksseed1|mctasksbidir|mctasksb22|mctasksranked|pplseed SEED|ctx256seed SEED|curve256 a|b|headroom" >&2; exit 2 ;;
+  *) echo "usage: $0 base|cpt|sft|gate CKPT OUT|sfteval|ppl CKPT OUT BUDGETS|ablation|pplctx CTX CONT WINDOWS OUT GATE...|needle|mcshort|mctasks|mctasksall|mctaskslora|mctasksseed1|mctasksbidir|mctasksb22|mctasksranked|pplseed SEED|ctx256seed SEED|curve256 PART|headroom" >&2; exit 2 ;;
 esac
