@@ -13,10 +13,10 @@ pairs the gate with the best of those heuristics window by window: a 95% interva
 excludes 0 is a difference the sample can resolve.
 
 Gates trained with other seeds (``gate_<run>_seed<k>``, e.g. from ``run_results.sh pplseed``)
-are also pooled with their seed-0 run (``gate_<run>``) in a second table: each seed's paired
-gap, their mean with a t interval over seeds (whether the *recipe*, not one trained gate,
-beats the heuristic), and the seeds' average gap per window with an interval over windows
-(these trained gates held fixed).
+are also pooled, with their seed-0 run (``gate_<run>``) where there is one, in a second table
+(two or more seeds make a row): each seed's paired gap, their mean with a t interval over
+seeds (whether the *recipe*, not one trained gate, beats the heuristic), and the seeds'
+average gap per window with an interval over windows (these trained gates held fixed).
 
 ``--plot DIR`` also draws perplexity against %Evict per folder (heuristic curves over their
 budgets, a gate's keep thresholds as its curve), every point over the same windows:
