@@ -268,6 +268,25 @@ case "${1:-all}" in
     [ "$part" = b ] && python -m kvgate.eval ppl --model smollm2-135m \
       --policies snapkv,streaming --budgets 0.45,0.4,0.35 "${win[@]}" --out "$out/heuristics"
     python bench/summarize_ablation.py "$out" ;;
+  ctx256b25) # a 256-token gate trained for more eviction (beta 0.25, recent64_256_b25) as seed
+    # SEED (0: runs/abl_recent64_256_b25, k: ..._seed<k>), scored at keep thresholds 0.5 (as
+    # trained) and 0.56 over the 128 windows of ctx256seed, with H2O at every eviction it reaches
+    # and SnapKV, StreamingLLM and random masks at the as-trained ones
+    seed=$2; sfx=; [ "$seed" = 0 ] || sfx=_seed$seed
+    name=abl_recent64_256_b25$sfx; run=runs/$name; out=results/ppl_ctx256
+    seed_run "$run" "$seed" --config cpt_recipe --config configs/ablation/recent64_256.yaml \
+      --config configs/ablation/recent64_256_b25.yaml
+    win=(--docs 2000 --context 256 --continuation 256 --windows 128 --no-progress)
+    python -m kvgate.eval ppl --checkpoint "$run/gated" --policies attention_gate "${win[@]}" \
+      --out "$out/gate_$name"
+    python -m kvgate.eval ppl --checkpoint "$run/gated" --policies gate_tau56=attention_gate \
+      --policy-opt gate_tau56.tau=0.56 "${win[@]}" --out "$out/gate_${name}_tau56"
+    python -m kvgate.eval ppl --model smollm2-135m --policies h2o --budgets "$(kept_ratios \
+      "$out/gate_$name/results.json" "$out/gate_${name}_tau56/results.json")" "${win[@]}" \
+      --out "$out/heuristics"
+    python -m kvgate.eval ppl --model smollm2-135m --policies snapkv,streaming,random \
+      --budgets "$(kept_ratios "$out/gate_$name/results.json")" "${win[@]}" --out "$out/heuristics"
+    python bench/summarize_ablation.py "$out" ;;
   headroom) # how far the best heuristics sit below the full cache on the 7 tasks (base model)
     mc=(--model smollm2-135m --tasks $TASKS7 --limit 200 --budgets 0.5,0.3 --no-progress)
     python -m kvgate.eval mc "${mc[@]}" --policies h2o --mode masked --out results/mc_headroom_a
@@ -279,5 +298,5 @@ case "${1:-all}" in
     python -m kvgate.eval mc "${mc[@]}" --budgets 0.3 --out results/mc_headroom_c
     python bench/summarize_mc.py results/mc_headroom_a results/mc_headroom_b \
       results/mc_headroom_c results/mc_short_full --paired full --any-mode ;;
-  *) echo "usage: $0 base|cpt|sft|gate CKPT OUT|sfteval|ppl CKPT OUT BUDGETS|ablation|pplctx CTX CONT WINDOWS OUT GATE...|needle|mcshort|mctasks|mctasksall|mctaskslora|mctasksseed1|mctasksbidir|mctasksb22|mctasksranked|pplseed SEED|ctx256seed SEED|curve256 PART|headroom" >&2; exit 2 ;;
+  *) echo "usage: $0 base|cpt|sft|gate CKPT OUT|sfteval|ppl CKPT OUT BUDGETS|ablation|pplctx CTX CONT WINDOWS OUT GATE...|needle|mcshort|mctasks|mctasksall|mctaskslora|mctasksseed1|mctasksbidir|mctasksb22|mctasksranked|pplseed SEED|ctx256seed SEED|curve256 PART|ctx256b25 SEED|headroom" >&2; exit 2 ;;
 esac
