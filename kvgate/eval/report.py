@@ -246,7 +246,12 @@ def plot_ppl_vs_eviction(results: Sequence[dict[str, Any]], path: str | Path) ->
 
 def _draw_series(ax: Any, rows: Sequence[dict[str, Any]], metric: str, title: str,
                  ylabel: str) -> None:
-    for policy in sorted({r["policy"] for r in rows}):
+    policies = sorted({r["policy"] for r in rows})
+    if len(policies) > 10:  # the default cycle has 10 colours: past it two curves would share one
+        from matplotlib import colormaps
+
+        ax.set_prop_cycle(color=colormaps["tab20"].colors)
+    for policy in policies:
         pts = sorted((r["evict_pct"], r[metric]) for r in rows if r["policy"] == policy)
         if policy == "full":  # the no-eviction reference: a line, so 0% does not set the range
             ax.axhline(pts[0][1], color="black", linestyle="--", linewidth=0.8, label=policy)

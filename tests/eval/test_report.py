@@ -5,6 +5,7 @@ import json
 import pytest
 import torch
 
+from kvgate.eval import report
 from kvgate.eval.masked import EvalError
 from kvgate.eval.report import (
     ResultStore,
@@ -82,6 +83,20 @@ def test_perplexity_results_get_a_ppl_vs_eviction_plot(tmp_path):
     names = sorted(p.name for p in write_outputs(st))
     assert names == ["ppl_vs_eviction.png", "results.md"]  # no accuracy plot without mc keys
     assert (tmp_path / "ppl_vs_eviction.png").read_bytes()[:4] == PNG
+
+
+def test_every_curve_gets_its_own_colour_past_ten_series():
+    """A seed sweep (gates x thresholds) easily passes the 10 colours of the default cycle."""
+    plt = report._pyplot()
+    for n in (3, 14):
+        fig, ax = plt.subplots()
+        rows = [{"policy": f"gate {i}", "evict_pct": e, "ppl": 10.0 + i + e / 100}
+                for i in range(n) for e in (40.0, 50.0)]
+        report._draw_series(ax, rows + [{"policy": "full", "evict_pct": 0.0, "ppl": 9.0}],
+                            "ppl", "t", "perplexity")
+        curves = [line for line in ax.lines if line.get_label() != "full"]
+        assert len(curves) == n and len({line.get_color() for line in curves}) == n
+        plt.close(fig)
 
 
 def test_eviction_pattern_plot(tmp_path):
