@@ -287,6 +287,25 @@ case "${1:-all}" in
     python -m kvgate.eval ppl --model smollm2-135m --policies snapkv,streaming,random \
       --budgets "$(kept_ratios "$out/gate_$name/results.json")" "${win[@]}" --out "$out/heuristics"
     python bench/summarize_ablation.py "$out" ;;
+  curve256b25) # the beta-0.25 gates of the ctx256b25 step (SEED...: 0 is the unsuffixed run)
+    # at keep thresholds 0.44 and 0.65 besides 0.5 and 0.56, so each is a curve over ~50-64%
+    # eviction, with H2O at every eviction they reach (SnapKV, StreamingLLM: the curve256 step)
+    shift; [ $# -gt 0 ] || { echo "curve256b25: name at least one SEED" >&2; exit 2; }
+    out=results/ppl_ctx256; gates=()
+    win=(--docs 2000 --context 256 --continuation 256 --windows 128 --no-progress)
+    for seed in "$@"; do
+      sfx=; [ "$seed" = 0 ] || sfx=_seed$seed
+      name=abl_recent64_256_b25$sfx
+      for tau in 44 65; do
+        python -m kvgate.eval ppl --checkpoint "runs/$name/gated" \
+          --policies "gate_tau$tau=attention_gate" --policy-opt "gate_tau$tau.tau=0.$tau" \
+          "${win[@]}" --out "$out/gate_${name}_tau$tau"
+        gates+=("$out/gate_${name}_tau$tau/results.json")
+      done
+    done
+    python -m kvgate.eval ppl --model smollm2-135m --policies h2o \
+      --budgets "$(kept_ratios "${gates[@]}")" "${win[@]}" --out "$out/heuristics"
+    python bench/summarize_ablation.py "$out" ;;
   headroom) # how far the best heuristics sit below the full cache on the 7 tasks (base model)
     mc=(--model smollm2-135m --tasks $TASKS7 --limit 200 --budgets 0.5,0.3 --no-progress)
     python -m kvgate.eval mc "${mc[@]}" --policies h2o --mode masked --out results/mc_headroom_a
@@ -298,5 +317,5 @@ case "${1:-all}" in
     python -m kvgate.eval mc "${mc[@]}" --budgets 0.3 --out results/mc_headroom_c
     python bench/summarize_mc.py results/mc_headroom_a results/mc_headroom_b \
       results/mc_headroom_c results/mc_short_full --paired full --any-mode ;;
-  *) echo "usage: $0 base|cpt|sft|gate CKPT OUT|sfteval|ppl CKPT OUT BUDGETS|ablation|pplctx CTX CONT WINDOWS OUT GATE...|needle|mcshort|mctasks|mctasksall|mctaskslora|mctasksseed1|mctasksbidir|mctasksb22|mctasksranked|pplseed SEED|ctx256seed SEED|curve256 PART|ctx256b25 SEED|headroom" >&2; exit 2 ;;
+  *) echo "usage: $0 base|cpt|sft|gate CKPT OUT|sfteval|ppl CKPT OUT BUDGETS|ablation|pplctx CTX CONT WINDOWS OUT GATE...|needle|mcshort|mctasks|mctasksall|mctaskslora|mctasksseed1|mctasksbidir|mctasksb22|mctasksranked|pplseed SEED|ctx256seed SEED|curve256 PART|ctx256b25 SEED|curve256b25 SEED...|headroom" >&2; exit 2 ;;
 esac

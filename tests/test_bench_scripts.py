@@ -42,3 +42,14 @@ def test_every_config_named_by_run_results_exists():
                 named |= {path.format(v) for v in values.split()}
     missing = sorted(p for p in named if not (ROOT / p).is_file())
     assert len(named) >= 25 and not missing, missing
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["curve256", "c"], "curve256: PART must be a or b"),
+    (["curve256b25"], "curve256b25: name at least one SEED"),
+    (["no_such_step"], "usage: "),
+])
+def test_run_results_refuses_bad_arguments_before_running_anything(args, message):
+    result = subprocess.run(["bash", str(ROOT / "bench" / "run_results.sh"), *args],
+                            check=False, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and message in result.stderr, result.stderr
