@@ -3,7 +3,11 @@
 # in bf16-mixed, the paper's DeepSpeed config on one GPU, and gated generation on CUDA.
 #
 #   bash bench/gpu_checks.sh prepare        # here: writes .gpu/ (config, tokenizer, documents)
-#   bash bench/gpu_checks.sh run OUTDIR     # on the CUDA machine, in the repo root
+#   bash bench/gpu_checks.sh run OUTDIR [PART...]  # on the CUDA machine, in the repo root
+#
+# PARTs (all by default): tests (pytest -m gpu), bench (eq. 5 training speed, kvgate vs
+# materialised), oneshot (the two-pass one-shot step vs whole-block kvgate vs materialised),
+# train (train.py, DeepSpeed, infer.py on CUDA), lora (fp32 base, gates + LoRA vs LoRA only).
 #
 # The CUDA machine needs torch, transformers, peft, lightning (no network): the SmolLM2 weights
 # do not travel (98 MB), so the base is a random model of SmolLM2's shape (bench/random_base.py);
@@ -38,8 +42,15 @@ PY
   exit 0
 fi
 
-[ "${1:-}" = run ] || { echo "usage: $0 prepare | run OUTDIR" >&2; exit 2; }
-out=${2:?usage: $0 run OUTDIR}
+usage="usage: $0 prepare | run OUTDIR [tests|bench|oneshot|train|lora ...]"
+[ "${1:-}" = run ] || { echo "$usage" >&2; exit 2; }
+out=${2:?$usage}
+shift 2
+parts=("$@"); [ ${#parts[@]} -gt 0 ] || parts=(tests bench oneshot train lora)
+for p in "${parts[@]}"; do
+  case $p in tests|bench|oneshot|train|lora) ;; *) echo "unknown PART '$p'; $usage" >&2; exit 2 ;; esac
+done
+want() { [[ " ${parts[*]} " == *" $1 "* ]]; }
 mkdir -p "$out"
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
@@ -55,27 +66,42 @@ step() { echo "== $1"; shift; "$@" || { echo "FAILED ($?): $*"; echo "$*" >> "$f
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$out/device.txt"
 $py -c "import torch, transformers, peft, lightning; print('torch', torch.__version__, '| transformers', transformers.__version__, '| peft', peft.__version__, '| lightning', lightning.__version__)" | tee -a "$out/device.txt"
 
-step "pytest -m gpu" $py -m pytest -m gpu tests/gpu -q -p no:cacheprovider 2>&1 | tee "$out/pytest_gpu.log"
+if want tests; then
+  step "pytest -m gpu" $py -m pytest -m gpu tests/gpu -q -p no:cacheprovider 2>&1 | tee "$out/pytest_gpu.log"
+fi
 
 base=/tmp/smollm2-random
 big=/tmp/llama7b-4layers-random
 step "random bases" $py bench/random_base.py .gpu/smollm2-config "$base"
 step "random bases" $py bench/random_base.py .gpu/llama7b-4layers "$big" --dtype bfloat16
 docs=.gpu/docs.jsonl
-bench() {  # BASE DTYPE SEQ BATCH [PAIR]
-  step "bench_train ${5:-materialised} $1 $2 $3x$4" $py bench/bench_train.py \
-    --pair "${5:-materialised}" --device cuda --base "$1" --dtype "$2" --files "$docs" \
-    --seq-len "$3" --batch "$4" --steps 6
+bench() {  # BASE DTYPE SEQ BATCH [PAIR [EXTRA...]]
+  local b=$1 dt=$2 seq=$3 batch=$4 pair=${5:-materialised}; shift 5 2>/dev/null || shift $#
+  step "bench_train $pair $b $dt ${seq}x$batch $*" $py bench/bench_train.py \
+    --pair "$pair" --device cuda --base "$b" --dtype "$dt" --files "$docs" \
+    --seq-len "$seq" --batch "$batch" --steps 6 "$@"
 }
-{
-  for seq in 1024 2048 4096; do bench "$big" bfloat16 $seq 1; done
-  for seq in 1024 2048 3072; do bench "$base" bfloat16 $seq 1; done; bench "$base" bfloat16 256 4
-} 2>&1 | grep -v "it/s\]" | tee "$out/bench_train.log"
+if want bench; then
+  {
+    for seq in 1024 2048 4096; do bench "$big" bfloat16 $seq 1; done
+    for seq in 1024 2048 3072; do bench "$base" bfloat16 $seq 1; done; bench "$base" bfloat16 256 4
+  } 2>&1 | grep -v "it/s\]" | tee "$out/bench_train.log"
+fi
+# the one-shot recipe's step (prefill full: the prompt once without autograd, the gates on the
+# continuation), the shapes of section 8's CPU rows: 4 x 256 with 64 scored, 1 x 1,024 with 256
+if want oneshot; then
+  oneshot=(--prefill full --recent 16 --sinks 4 --distill-weight 1 --lm-weight 0)
+  {
+    bench "$base" bfloat16 256 4 materialised --continuation 64 "${oneshot[@]}"
+    bench "$base" bfloat16 1024 1 materialised --continuation 256 "${oneshot[@]}"
+    bench "$big" bfloat16 2048 1 materialised --continuation 512 "${oneshot[@]}"
+  } 2>&1 | grep -v "it/s\]" | tee "$out/bench_oneshot.log"
+fi
 
 # runs/ is not in the copy that travels: the runs write where the configs say
 common=(--data.source files --data.files "[$docs]" --data.max_docs 300 --data.num_workers 0
         --trainer.max_steps 6 --trainer.val_check_interval 3 --trainer.limit_val_batches 2)
-{
+want train && {
   step "train.py cpt_recipe on 1 GPU, bf16-mixed" $py train.py --config cpt_recipe \
     --trainer.accelerator gpu --trainer.devices 1 --trainer.precision bf16-mixed \
     --model.dtype bfloat16 --model.base_model "$base" "${common[@]}" --data.seq_len 512
@@ -91,7 +117,7 @@ common=(--data.source files --data.files "[$docs]" --data.max_docs 300 --data.nu
   done
 } 2>&1 | grep -v "it/s\]" | tee "$out/train.log"
 
-{
+want lora && {
   bench "$base" float32 1024 1; bench "$base" bfloat16 1024 1 lora; bench "$big" bfloat16 2048 1 lora
 } 2>&1 | grep -v "it/s\]" | tee -a "$out/bench_train.log"
 if [ -s "$failed" ]; then echo "failed steps:"; cat "$failed"; exit 1; fi

@@ -9,6 +9,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = sorted((ROOT / "bench").glob("*.sh")) + sorted((ROOT / "scripts").glob("*.sh"))
@@ -53,3 +54,29 @@ def test_run_results_refuses_bad_arguments_before_running_anything(args, message
     result = subprocess.run(["bash", str(ROOT / "bench" / "run_results.sh"), *args],
                             check=False, capture_output=True, text=True, timeout=120)
     assert result.returncode == 2 and message in result.stderr, result.stderr
+
+
+def _bench_kernel():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_kernel_under_test",
+                                                  ROOT / "bench" / "bench_kernel.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_bench_kernel_times_every_chunk_setting_against_the_materialised_kernel(capsys):
+    results = _bench_kernel().main(["--shapes", "1,4,2,70,8", "--backward-rows", "0", "16",
+                                    "--repeats", "1"])
+    assert set(results["1,4,2,70,8"]) == {"materialised", "kvgate", "kvgate_bwd16"}
+    assert "speed-up vs materialised" in capsys.readouterr().out
+
+
+def test_bench_kernel_refuses_to_time_a_regime_that_computes_something_else():
+    bench = _bench_kernel()
+    fns = bench.regimes([0])
+    fns["kvgate"] = lambda q, k, v, g: bench.gated_attention(q, k, v, g.detach(), recent=0)
+    tensors = bench.inputs((1, 2, 1, 40, 8), torch.device("cpu"))
+    with pytest.raises(SystemExit, match="kvgate disagrees"):
+        bench.check(fns, tensors, torch.randn_like(tensors[0]))

@@ -68,12 +68,17 @@ def _keep_per_query_head(gate: Tensor, h: int) -> Tensor:
 
 def _rows_per_chunk(h: int, n: int, chunk: int | None, device: torch.device) -> int:
     # on the CPU, 64 rows skip most of the causally unreachable upper triangle at little cost
-    # in matmul efficiency (a 1 x 512 layer runs ~1.8x faster than in one chunk); on a GPU each
-    # chunk is a round of kernel launches, so chunks stay as large as memory allows (untimed
-    # there at 64). Long sequences cap each [B, H, rows, n] fp32 temporary at ~16 MB per batch
-    # element.
-    cap = 64 if device.type == "cpu" else n
-    return chunk or max(16, min(cap, n, (4 << 20) // max(1, h * n)))
+    # in matmul efficiency (a 1 x 512 layer runs ~1.8x faster than in one chunk), and long
+    # sequences cap each [B, H, rows, n] fp32 temporary at ~16 MB per batch element. On a GPU
+    # each chunk is a round of ~20 kernel launches that Python issues slower than the GPU runs
+    # them: at SmolLM2's 9 heads x 2,048 tokens the 16 MB cap's 227-row chunks took 8.4 ms
+    # where one chunk took 3.6 (bench/bench_kernel.py on an H100), so there the cap is 256 MB
+    # and never under 256 rows (Llama-2-7B's 32 heads x 2,048: 1,024-row chunks).
+    if device.type == "cpu":
+        cap, budget, floor = 64, 4 << 20, 16
+    else:
+        cap, budget, floor = n, 64 << 20, 256
+    return chunk or min(n, max(floor, min(cap, budget // max(1, h * n))))
 
 
 def _bias(base: Tensor, ungated: Tensor, keep: Tensor) -> Tensor:

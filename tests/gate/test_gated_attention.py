@@ -242,3 +242,19 @@ def test_cpu_forward_reads_only_the_keys_each_row_chunk_can_reach(tail, monkeypa
     for i, (rows, keys, bias) in enumerate(calls):
         assert keys == offset + min((i + 1) * step, nq) and bias == (rows, keys)
     torch.testing.assert_close(out, whole, atol=1e-6, rtol=1e-5)
+
+
+def test_row_chunks_are_small_on_the_cpu_and_large_on_a_gpu():
+    """On the CPU 64-row chunks skip the unreachable triangle; on a GPU every chunk costs a
+    round of kernel launches, so a chunk holds up to 256 MB of fp32 scores (the whole problem
+    when that fits) and never fewer than 256 rows, and no chunk is longer than the sequence."""
+    from kvgate.attention.gated import _rows_per_chunk
+
+    cpu, gpu = torch.device("cpu"), torch.device("cuda")  # only the device type is read
+    assert _rows_per_chunk(9, 2048, None, cpu) == 64
+    assert _rows_per_chunk(9, 100_000, None, cpu) == 16  # 16 MB cap, 16-row floor
+    assert _rows_per_chunk(9, 2048, None, gpu) == 2048  # 151 MB: one chunk
+    assert _rows_per_chunk(32, 2048, None, gpu) == 1024  # 256 MB per chunk
+    assert _rows_per_chunk(32, 32768, None, gpu) == 256  # the floor
+    assert _rows_per_chunk(9, 100, None, gpu) == 100
+    assert _rows_per_chunk(9, 2048, 96, gpu) == 96  # an explicit chunk wins

@@ -1,0 +1,144 @@
+"""The gated-attention kernel alone, forward + backward, kvgate's against the materialised one.
+
+    python bench/bench_kernel.py [--device cuda] [--shapes 1,9,3,2048,64 1,32,32,2048,128]
+        [--backward-rows 0 64 256] [--repeats 10] [--profile]
+
+Each shape is B,H,H_kv,n,d (SmolLM2's 9/3 heads of 64, Llama-2-7B's 32/32 of 128), fp32 q, k,
+v and a 0/1 gate with ~50% kept, plain causal mask and a recent band of 16. Regimes alternate
+repeat by repeat on the same tensors; the median time and the peak memory above the inputs are
+printed per regime with its ratio to ``materialised`` (the n x n gated softmax differentiated by
+autograd). ``--backward-rows R`` adds a kvgate regime whose backward runs R query rows per chunk
+(0: kvgate's default for the device). Before timing, every regime's output and four gradients
+are checked against the materialised ones, so a faster but wrong setting fails loudly.
+``--profile`` prints the top CUDA/CPU ops of one kvgate step (torch.profiler).
+
+The whole training step (the frozen model around the kernel) is ``bench/bench_train.py``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from kvgate.attention import gated as gated_mod
+from kvgate.attention.gated import gated_attention, gated_attention_reference
+from kvgate.inference.engine import sync_device
+
+RECENT = 16
+
+
+def inputs(shape: tuple[int, ...], device: torch.device, seed: int = 0):
+    b, h, hk, n, d = shape
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(b, hh, n, d, generator=g).to(device).requires_grad_(True)
+               for hh in (h, hk, hk))
+    gate = (torch.rand(b, hk, n, generator=g) > 0.5).float().to(device).requires_grad_(True)
+    return q, k, v, gate
+
+
+def regimes(backward_rows: list[int]) -> dict:
+    out = {"materialised": lambda q, k, v, g: gated_attention_reference(q, k, v, g, recent=RECENT)}
+    for rows in backward_rows:
+        name = "kvgate" if rows == 0 else f"kvgate_bwd{rows}"
+        out[name] = functools.partial(gated_attention, recent=RECENT, chunk=rows or None)
+    return out
+
+
+def step(fn, tensors, grad_out):
+    for t in tensors:
+        t.grad = None
+    out = fn(*tensors)
+    out.backward(grad_out)
+    return out
+
+
+def check(fns: dict, tensors, grad_out) -> None:
+    ref = step(fns["materialised"], tensors, grad_out).detach()
+    ref_grads = [t.grad.clone() for t in tensors]
+    for name, fn in fns.items():
+        out = step(fn, tensors, grad_out).detach()
+        bad = [i for i, (t, r) in enumerate(zip(tensors, ref_grads))
+               if t.grad is None or not torch.allclose(t.grad, r, atol=2e-3, rtol=2e-3)]
+        if not torch.allclose(out, ref, atol=1e-4, rtol=1e-3) or bad:
+            raise SystemExit(f"{name} disagrees with the materialised kernel "
+                             f"(output or gradients {bad} of q, k, v, gate)")
+
+
+def bench_shape(shape, device, fns: dict, repeats: int) -> dict:
+    tensors = inputs(shape, device)
+    grad_out = torch.randn_like(tensors[0]).mul_(0.1)
+    check(fns, tensors, grad_out)
+    times = {name: [] for name in fns}
+    peak = {}
+    base = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
+    for i in range(repeats + 1):  # repeat 0 warms up
+        for name, fn in fns.items():
+            if device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(device)
+            sync_device(device)
+            t0 = time.perf_counter()
+            step(fn, tensors, grad_out)
+            sync_device(device)
+            if i:
+                times[name].append(time.perf_counter() - t0)
+            if device.type == "cuda":
+                peak[name] = (torch.cuda.max_memory_allocated(device) - base) / 2**30
+    return {name: (statistics.median(ts), peak.get(name)) for name, ts in times.items()}
+
+
+def profile(shape, device, fn) -> None:
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    tensors = inputs(shape, device)
+    grad_out = torch.randn_like(tensors[0])
+    step(fn, tensors, grad_out)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with torch_profile(activities=activities) as prof:
+        step(fn, tensors, grad_out)
+        sync_device(device)
+    key = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    print(prof.key_averages().table(sort_by=key, row_limit=15))
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--shapes", nargs="+", default=["1,9,3,2048,64", "1,32,32,2048,128"],
+                    help="B,H,H_kv,n,d")
+    ap.add_argument("--backward-rows", type=int, nargs="+", default=[0])
+    ap.add_argument("--repeats", type=int, default=10)
+    ap.add_argument("--profile", action="store_true")
+    args = ap.parse_args(argv)
+    device = torch.device(args.device)
+    fns = regimes(args.backward_rows)
+    results = {}
+    for text in args.shapes:
+        shape = tuple(int(x) for x in text.split(","))
+        if len(shape) != 5:
+            raise SystemExit(f"--shapes {text!r}: want B,H,H_kv,n,d")
+        _, h, _, n, _ = shape
+        rows = gated_mod._rows_per_chunk(h, n, None, device)
+        print(f"shape B,H,H_kv,n,d={text} on {device} (default backward rows per chunk: {rows})")
+        res = bench_shape(shape, device, fns, args.repeats)
+        ref = res["materialised"][0]
+        for name, (sec, mem) in res.items():
+            mem_txt = "" if mem is None else f", peak +{mem:.2f} GiB"
+            print(f"  {name:<16} {sec * 1e3:9.2f} ms{mem_txt}  speed-up vs materialised "
+                  f"{ref / sec:.2f}x")
+        if args.profile:
+            profile(shape, device, fns["kvgate"] if "kvgate" in fns else next(iter(fns.values())))
+        results[text] = res
+    return results
+
+
+if __name__ == "__main__":
+    main()
