@@ -50,6 +50,29 @@ kept = {round(1 - rec["evict_pct"] / 100, 2)
 print(",".join(f"{k:.2f}" for k in sorted(kept)))
 PY
 }
+# ctx256_beta_gate VARIANT SEED: configs/ablation/recent64_256_<VARIANT>.yaml layered on
+# recent64_256 as seed SEED (0: runs/abl_recent64_256_VARIANT, k: ..._seed<k>), scored at keep
+# thresholds 0.5 and 0.56 over ctx256seed's 128 windows, H2O at every eviction it reaches and
+# SnapKV, StreamingLLM and random masks at the as-trained ones
+ctx256_beta_gate() {
+  local variant=$1 seed=$2 sfx=
+  [ "$seed" = 0 ] || sfx=_seed$seed
+  local name=abl_recent64_256_$variant$sfx out=results/ppl_ctx256
+  local run=runs/$name
+  seed_run "$run" "$seed" --config cpt_recipe --config configs/ablation/recent64_256.yaml \
+    --config "configs/ablation/recent64_256_$variant.yaml"
+  local win=(--docs 2000 --context 256 --continuation 256 --windows 128 --no-progress)
+  python -m kvgate.eval ppl --checkpoint "$run/gated" --policies attention_gate "${win[@]}" \
+    --out "$out/gate_$name"
+  python -m kvgate.eval ppl --checkpoint "$run/gated" --policies gate_tau56=attention_gate \
+    --policy-opt gate_tau56.tau=0.56 "${win[@]}" --out "$out/gate_${name}_tau56"
+  python -m kvgate.eval ppl --model smollm2-135m --policies h2o --budgets "$(kept_ratios \
+    "$out/gate_$name/results.json" "$out/gate_${name}_tau56/results.json")" "${win[@]}" \
+    --out "$out/heuristics"
+  python -m kvgate.eval ppl --model smollm2-135m --policies snapkv,streaming,random \
+    --budgets "$(kept_ratios "$out/gate_$name/results.json")" "${win[@]}" --out "$out/heuristics"
+  python bench/summarize_ablation.py "$out"
+}
 # seed_run RUN SEED ARGS...: train.py ARGS as seed SEED with every output under RUN, unless
 # RUN already has its export; a run with a last.ckpt resumes from it
 seed_run() {
@@ -272,21 +295,10 @@ case "${1:-all}" in
     # SEED (0: runs/abl_recent64_256_b25, k: ..._seed<k>), scored at keep thresholds 0.5 (as
     # trained) and 0.56 over the 128 windows of ctx256seed, with H2O at every eviction it reaches
     # and SnapKV, StreamingLLM and random masks at the as-trained ones
-    seed=$2; sfx=; [ "$seed" = 0 ] || sfx=_seed$seed
-    name=abl_recent64_256_b25$sfx; run=runs/$name; out=results/ppl_ctx256
-    seed_run "$run" "$seed" --config cpt_recipe --config configs/ablation/recent64_256.yaml \
-      --config configs/ablation/recent64_256_b25.yaml
-    win=(--docs 2000 --context 256 --continuation 256 --windows 128 --no-progress)
-    python -m kvgate.eval ppl --checkpoint "$run/gated" --policies attention_gate "${win[@]}" \
-      --out "$out/gate_$name"
-    python -m kvgate.eval ppl --checkpoint "$run/gated" --policies gate_tau56=attention_gate \
-      --policy-opt gate_tau56.tau=0.56 "${win[@]}" --out "$out/gate_${name}_tau56"
-    python -m kvgate.eval ppl --model smollm2-135m --policies h2o --budgets "$(kept_ratios \
-      "$out/gate_$name/results.json" "$out/gate_${name}_tau56/results.json")" "${win[@]}" \
-      --out "$out/heuristics"
-    python -m kvgate.eval ppl --model smollm2-135m --policies snapkv,streaming,random \
-      --budgets "$(kept_ratios "$out/gate_$name/results.json")" "${win[@]}" --out "$out/heuristics"
-    python bench/summarize_ablation.py "$out" ;;
+    ctx256_beta_gate b25 "$2" ;;
+  ctx256b15) # the same at beta 0.15 (recent64_256_b15: ~64% of the prompt), for the range past
+    # the ~60% where the beta-0.25 gates stop leading H2O
+    ctx256_beta_gate b15 "$2" ;;
   curve256b25) # the beta-0.25 gates of the ctx256b25 step (SEED...: 0 is the unsuffixed run)
     # at keep thresholds 0.44 and 0.65 besides 0.5 and 0.56, so each is a curve over ~50-64%
     # eviction, with H2O at every eviction they reach (SnapKV, StreamingLLM: the curve256 step)
@@ -317,5 +329,5 @@ case "${1:-all}" in
     python -m kvgate.eval mc "${mc[@]}" --budgets 0.3 --out results/mc_headroom_c
     python bench/summarize_mc.py results/mc_headroom_a results/mc_headroom_b \
       results/mc_headroom_c results/mc_short_full --paired full --any-mode ;;
-  *) echo "usage: $0 base|cpt|sft|gate CKPT OUT|sfteval|ppl CKPT OUT BUDGETS|ablation|pplctx CTX CONT WINDOWS OUT GATE...|needle|mcshort|mctasks|mctasksall|mctaskslora|mctasksseed1|mctasksbidir|mctasksb22|mctasksranked|pplseed SEED|ctx256seed SEED|curve256 PART|ctx256b25 SEED|curve256b25 SEED...|headroom" >&2; exit 2 ;;
+  *) echo "usage: $0 base|cpt|sft|gate CKPT OUT|sfteval|ppl CKPT OUT BUDGETS|ablation|pplctx CTX CONT WINDOWS OUT GATE...|needle|mcshort|mctasks|mctasksall|mctaskslora|mctasksseed1|mctasksbidir|mctasksb22|mctasksranked|pplseed SEED|ctx256seed SEED|curve256 PART|ctx256b25 SEED|ctx256b15 SEED|curve256b25 SEED...|headroom" >&2; exit 2 ;;
 esac

@@ -41,6 +41,9 @@ def test_every_config_named_by_run_results_exists():
                            (f"--config ${var}\n", "configs/{}.yaml")):
             if form in RUN_RESULTS:
                 named |= {path.format(v) for v in values.split()}
+    # and the 256-token beta variants through their helper's VARIANT argument
+    named |= {f"configs/ablation/recent64_256_{v}.yaml"
+              for v in re.findall(r"^\s+ctx256_beta_gate (\w+) ", RUN_RESULTS, flags=re.MULTILINE)}
     missing = sorted(p for p in named if not (ROOT / p).is_file())
     assert len(named) >= 25 and not missing, missing
 
