@@ -64,14 +64,25 @@ ctx256_beta_gate() {
   local win=(--docs 2000 --context 256 --continuation 256 --windows 128 --no-progress)
   python -m kvgate.eval ppl --checkpoint "$run/gated" --policies attention_gate "${win[@]}" \
     --out "$out/gate_$name"
-  python -m kvgate.eval ppl --checkpoint "$run/gated" --policies gate_tau56=attention_gate \
-    --policy-opt gate_tau56.tau=0.56 "${win[@]}" --out "$out/gate_${name}_tau56"
+  local gates=()
+  gate_taus "$name" 56
   python -m kvgate.eval ppl --model smollm2-135m --policies h2o --budgets "$(kept_ratios \
-    "$out/gate_$name/results.json" "$out/gate_${name}_tau56/results.json")" "${win[@]}" \
-    --out "$out/heuristics"
+    "$out/gate_$name/results.json" "${gates[@]}")" "${win[@]}" --out "$out/heuristics"
   python -m kvgate.eval ppl --model smollm2-135m --policies snapkv,streaming,random \
     --budgets "$(kept_ratios "$out/gate_$name/results.json")" "${win[@]}" --out "$out/heuristics"
   python bench/summarize_ablation.py "$out"
+}
+# gate_taus NAME TAU...: the gate of runs/NAME at keep thresholds 0.TAU over ctx256seed's 128
+# windows, each in results/ppl_ctx256/gate_NAME_tauTAU; appends those results.json to `gates`
+gate_taus() {
+  local name=$1 tau out=results/ppl_ctx256; shift
+  for tau in "$@"; do
+    python -m kvgate.eval ppl --checkpoint "runs/$name/gated" \
+      --policies "gate_tau$tau=attention_gate" --policy-opt "gate_tau$tau.tau=0.$tau" \
+      --docs 2000 --context 256 --continuation 256 --windows 128 --no-progress \
+      --out "$out/gate_${name}_tau$tau"
+    gates+=("$out/gate_${name}_tau$tau/results.json")
+  done
 }
 # seed_run RUN SEED ARGS...: train.py ARGS as seed SEED with every output under RUN, unless
 # RUN already has its export; a run with a last.ckpt resumes from it
@@ -278,14 +289,7 @@ case "${1:-all}" in
     win=(--docs 2000 --context 256 --continuation 256 --windows 128 --no-progress)
     seeds=(_seed1 _seed2); [ "$part" = b ] && seeds=(_seed3 _seed4)
     gates=()
-    for s in "${seeds[@]}"; do
-      for tau in 60 65; do
-        python -m kvgate.eval ppl --checkpoint "runs/abl_recent64_256$s/gated" \
-          --policies "gate_tau$tau=attention_gate" --policy-opt "gate_tau$tau.tau=0.$tau" \
-          "${win[@]}" --out "$out/gate_abl_recent64_256${s}_tau$tau"
-        gates+=("$out/gate_abl_recent64_256${s}_tau$tau/results.json")
-      done
-    done
+    for s in "${seeds[@]}"; do gate_taus "abl_recent64_256$s" 60 65; done
     python -m kvgate.eval ppl --model smollm2-135m --policies h2o \
       --budgets "$(kept_ratios "${gates[@]}")" "${win[@]}" --out "$out/heuristics"
     [ "$part" = b ] && python -m kvgate.eval ppl --model smollm2-135m \
@@ -307,13 +311,7 @@ case "${1:-all}" in
     win=(--docs 2000 --context 256 --continuation 256 --windows 128 --no-progress)
     for seed in "$@"; do
       sfx=; [ "$seed" = 0 ] || sfx=_seed$seed
-      name=abl_recent64_256_b25$sfx
-      for tau in 44 65; do
-        python -m kvgate.eval ppl --checkpoint "runs/$name/gated" \
-          --policies "gate_tau$tau=attention_gate" --policy-opt "gate_tau$tau.tau=0.$tau" \
-          "${win[@]}" --out "$out/gate_${name}_tau$tau"
-        gates+=("$out/gate_${name}_tau$tau/results.json")
-      done
+      gate_taus "abl_recent64_256_b25$sfx" 44 65
     done
     python -m kvgate.eval ppl --model smollm2-135m --policies h2o \
       --budgets "$(kept_ratios "${gates[@]}")" "${win[@]}" --out "$out/heuristics"
