@@ -187,3 +187,18 @@ def test_concurrent_processes_lose_no_key(tmp_path):
         assert p.exitcode == 0
     assert len(_on_disk(tmp_path)) == 120
     assert not list(tmp_path.glob(".results.json.*.tmp"))  # no temporary file left behind
+
+
+def test_a_long_legend_goes_beside_the_plot_not_over_its_curves(tmp_path):
+    plt = report._pyplot()
+    for n, outside in ((3, False), (14, True)):
+        rows = [{"policy": f"gate {i}", "evict_pct": e, "ppl": 10.0 + i + e / 100}
+                for i in range(n) for e in (40.0, 50.0)]
+        fig, axes = plt.subplots(1, 1, squeeze=False,
+                                 figsize=(5.5 + report._legend_width(rows), 4.2))
+        report._draw_series(axes[0][0], rows, "ppl", "t", "perplexity")
+        assert report._save(plt, fig, axes, tmp_path / f"{n}.png").is_file()
+        ax = axes[0][0]
+        anchor = ax.get_legend().get_bbox_to_anchor().transformed(ax.transAxes.inverted())
+        assert (anchor.x0 > 1.0) == outside
+        assert fig.get_size_inches()[0] == (8.5 if outside else 5.5)
