@@ -84,6 +84,21 @@ gate_taus() {
     gates+=("$out/gate_${name}_tau$tau/results.json")
   done
 }
+# beta_curve VARIANT "TAU..." SEED...: the recent64_256_VARIANT gates of those seeds at the
+# keep thresholds (gate_taus), then H2O at every eviction they reach, then the summary
+beta_curve() {
+  local variant=$1 taus=$2 seed sfx gates=(); shift 2
+  [ $# -gt 0 ] || { echo "curve256$variant: name at least one SEED" >&2; exit 2; }
+  for seed in "$@"; do
+    sfx=; [ "$seed" = 0 ] || sfx=_seed$seed
+    # shellcheck disable=SC2086  # taus is a list
+    gate_taus "abl_recent64_256_$variant$sfx" $taus
+  done
+  python -m kvgate.eval ppl --model smollm2-135m --policies h2o \
+    --budgets "$(kept_ratios "${gates[@]}")" --docs 2000 --context 256 --continuation 256 \
+    --windows 128 --no-progress --out results/ppl_ctx256/heuristics
+  python bench/summarize_ablation.py results/ppl_ctx256
+}
 # seed_run RUN SEED ARGS...: train.py ARGS as seed SEED with every output under RUN, unless
 # RUN already has its export; a run with a last.ckpt resumes from it
 seed_run() {
@@ -306,16 +321,10 @@ case "${1:-all}" in
   curve256b25) # the beta-0.25 gates of the ctx256b25 step (SEED...: 0 is the unsuffixed run)
     # at keep thresholds 0.44 and 0.65 besides 0.5 and 0.56, so each is a curve over ~50-64%
     # eviction, with H2O at every eviction they reach (SnapKV, StreamingLLM: the curve256 step)
-    shift; [ $# -gt 0 ] || { echo "curve256b25: name at least one SEED" >&2; exit 2; }
-    out=results/ppl_ctx256; gates=()
-    win=(--docs 2000 --context 256 --continuation 256 --windows 128 --no-progress)
-    for seed in "$@"; do
-      sfx=; [ "$seed" = 0 ] || sfx=_seed$seed
-      gate_taus "abl_recent64_256_b25$sfx" 44 65
-    done
-    python -m kvgate.eval ppl --model smollm2-135m --policies h2o \
-      --budgets "$(kept_ratios "${gates[@]}")" "${win[@]}" --out "$out/heuristics"
-    python bench/summarize_ablation.py "$out" ;;
+    shift; beta_curve b25 "44 65" "$@" ;;
+  curve256b15) # the beta-0.15 gates of the ctx256b15 step at keep thresholds 0.65 and 0.75
+    # (~68% and ~71% on the first 6 windows), to find where their lead over H2O ends
+    shift; beta_curve b15 "65 75" "$@" ;;
   headroom) # how far the best heuristics sit below the full cache on the 7 tasks (base model)
     mc=(--model smollm2-135m --tasks $TASKS7 --limit 200 --budgets 0.5,0.3 --no-progress)
     python -m kvgate.eval mc "${mc[@]}" --policies h2o --mode masked --out results/mc_headroom_a
@@ -327,5 +336,5 @@ case "${1:-all}" in
     python -m kvgate.eval mc "${mc[@]}" --budgets 0.3 --out results/mc_headroom_c
     python bench/summarize_mc.py results/mc_headroom_a results/mc_headroom_b \
       results/mc_headroom_c results/mc_short_full --paired full --any-mode ;;
-  *) echo "usage: $0 base|cpt|sft|gate CKPT OUT|sfteval|ppl CKPT OUT BUDGETS|ablation|pplctx CTX CONT WINDOWS OUT GATE...|needle|mcshort|mctasks|mctasksall|mctaskslora|mctasksseed1|mctasksbidir|mctasksb22|mctasksranked|pplseed SEED|ctx256seed SEED|curve256 PART|ctx256b25 SEED|ctx256b15 SEED|curve256b25 SEED...|headroom" >&2; exit 2 ;;
+  *) echo "usage: $0 base|cpt|sft|gate CKPT OUT|sfteval|ppl CKPT OUT BUDGETS|ablation|pplctx CTX CONT WINDOWS OUT GATE...|needle|mcshort|mctasks|mctasksall|mctaskslora|mctasksseed1|mctasksbidir|mctasksb22|mctasksranked|pplseed SEED|ctx256seed SEED|curve256 PART|ctx256b25 SEED|ctx256b15 SEED|curve256b25 SEED...|curve256b15 SEED...|headroom" >&2; exit 2 ;;
 esac
