@@ -8,6 +8,8 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 source scripts/setup.sh
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 TASKS7=piqa,arc_easy,arc_challenge,rte,copa,boolq,hellaswag
+# the 128 held-out 256 + 256-token windows every 256-token gate and heuristic is scored on
+WIN256=(--docs 2000 --context 256 --continuation 256 --windows 128 --no-progress)
 
 # gate_vs_best_heuristics CKPT OUT: a gate on the 7 tasks (1,300 examples) beside H2O and TOVA
 # at its per-example budgets in OUT, and RoCo (cache mode, the gate re-run in cache mode) in
@@ -61,15 +63,14 @@ ctx256_beta_gate() {
   local run=runs/$name
   seed_run "$run" "$seed" --config cpt_recipe --config configs/ablation/recent64_256.yaml \
     --config "configs/ablation/recent64_256_$variant.yaml"
-  local win=(--docs 2000 --context 256 --continuation 256 --windows 128 --no-progress)
-  python -m kvgate.eval ppl --checkpoint "$run/gated" --policies attention_gate "${win[@]}" \
+  python -m kvgate.eval ppl --checkpoint "$run/gated" --policies attention_gate "${WIN256[@]}" \
     --out "$out/gate_$name"
   local gates=()
   gate_taus "$name" 56
   python -m kvgate.eval ppl --model smollm2-135m --policies h2o --budgets "$(kept_ratios \
-    "$out/gate_$name/results.json" "${gates[@]}")" "${win[@]}" --out "$out/heuristics"
+    "$out/gate_$name/results.json" "${gates[@]}")" "${WIN256[@]}" --out "$out/heuristics"
   python -m kvgate.eval ppl --model smollm2-135m --policies snapkv,streaming,random \
-    --budgets "$(kept_ratios "$out/gate_$name/results.json")" "${win[@]}" --out "$out/heuristics"
+    --budgets "$(kept_ratios "$out/gate_$name/results.json")" "${WIN256[@]}" --out "$out/heuristics"
   python bench/summarize_ablation.py "$out"
 }
 # gate_taus NAME TAU...: the gate of runs/NAME at keep thresholds 0.TAU over ctx256seed's 128
@@ -79,8 +80,7 @@ gate_taus() {
   for tau in "$@"; do
     python -m kvgate.eval ppl --checkpoint "runs/$name/gated" \
       --policies "gate_tau$tau=attention_gate" --policy-opt "gate_tau$tau.tau=0.$tau" \
-      --docs 2000 --context 256 --continuation 256 --windows 128 --no-progress \
-      --out "$out/gate_${name}_tau$tau"
+      "${WIN256[@]}" --out "$out/gate_${name}_tau$tau"
     gates+=("$out/gate_${name}_tau$tau/results.json")
   done
 }
@@ -95,8 +95,7 @@ beta_curve() {
     gate_taus "abl_recent64_256_$variant$sfx" $taus
   done
   python -m kvgate.eval ppl --model smollm2-135m --policies h2o \
-    --budgets "$(kept_ratios "${gates[@]}")" --docs 2000 --context 256 --continuation 256 \
-    --windows 128 --no-progress --out results/ppl_ctx256/heuristics
+    --budgets "$(kept_ratios "${gates[@]}")" "${WIN256[@]}" --out results/ppl_ctx256/heuristics
   python bench/summarize_ablation.py results/ppl_ctx256
 }
 # seed_run RUN SEED ARGS...: train.py ARGS as seed SEED with every output under RUN, unless
@@ -283,7 +282,7 @@ case "${1:-all}" in
     # gate at tau 0.5 and 0.56 and the heuristics at its evictions over the same 128 windows
     seed=$2; run=runs/abl_recent64_256_seed$seed; out=results/ppl_ctx256
     seed_run "$run" "$seed" --config cpt_recipe --config configs/ablation/recent64_256.yaml
-    win=(--docs 2000 --context 256 --continuation 256 --windows 128 --no-progress)
+    win=("${WIN256[@]}")
     python -m kvgate.eval ppl --checkpoint "$run/gated" --policies attention_gate "${win[@]}" \
       --out "$out/gate_abl_recent64_256_seed$seed"
     python -m kvgate.eval ppl --checkpoint "$run/gated" --policies gate_tau56=attention_gate \
@@ -301,7 +300,7 @@ case "${1:-all}" in
     # (runs/abl_recent64_256) was not on the machine that ran this; add "" to a's seeds for it
     part=${2:-}; out=results/ppl_ctx256
     [[ "$part" =~ ^[ab]$ ]] || { echo "curve256: PART must be a or b" >&2; exit 2; }
-    win=(--docs 2000 --context 256 --continuation 256 --windows 128 --no-progress)
+    win=("${WIN256[@]}")
     seeds=(_seed1 _seed2); [ "$part" = b ] && seeds=(_seed3 _seed4)
     gates=()
     for s in "${seeds[@]}"; do gate_taus "abl_recent64_256$s" 60 65; done
