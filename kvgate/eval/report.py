@@ -210,8 +210,7 @@ def plot_accuracy_vs_eviction(results: Sequence[dict[str, Any]], path: str | Pat
     plt = _pyplot()
     tasks = sorted({r["task"] for r in mc})
     panels = tasks + (["mean"] if len(tasks) > 1 else [])
-    fig, axes = plt.subplots(1, len(panels), squeeze=False, figsize=(
-        4.2 * len(panels) + _legend_width(mc), 3.6))
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.6), squeeze=False)
     for ax, task in zip(axes[0], panels):
         if task == "mean":
             groups: dict[tuple[str, str, str], list[dict[str, Any]]] = defaultdict(list)
@@ -235,8 +234,7 @@ def plot_ppl_vs_eviction(results: Sequence[dict[str, Any]], path: str | Path) ->
         return None
     plt = _pyplot()
     tasks = sorted({r["task"] for r in ppl})
-    fig, axes = plt.subplots(1, len(tasks), squeeze=False, figsize=(
-        5.5 * len(tasks) + _legend_width(ppl), 4.2))
+    fig, axes = plt.subplots(1, len(tasks), figsize=(5.5 * len(tasks), 4.2), squeeze=False)
     for ax, task in zip(axes[0], tasks):
         rows = [r for r in ppl if r["task"] == task]
         _draw_series(ax, rows, "ppl", task, "perplexity")
@@ -268,14 +266,11 @@ def _draw_series(ax: Any, rows: Sequence[dict[str, Any]], metric: str, title: st
 LONG_LEGEND = 8  # more series than this and the legend goes beside the plot, not over it
 
 
-def _legend_width(rows: Sequence[dict[str, Any]]) -> float:
-    """Inches added to a figure whose legend will stand beside its last panel."""
-    return 3.0 if len({r["policy"] for r in rows}) > LONG_LEGEND else 0.0
-
-
 def _save(plt: Any, fig: Any, axes: Any, path: str | Path) -> Path:
     ax = axes[0][-1]
     if len(ax.get_legend_handles_labels()[1]) > LONG_LEGEND:
+        width, height = fig.get_size_inches()
+        fig.set_size_inches(width + 3.0, height)  # room for the legend, the panels keep theirs
         ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.02, 1.0))
     else:
         ax.legend(fontsize=7, loc="best")

@@ -194,8 +194,7 @@ def test_a_long_legend_goes_beside_the_plot_not_over_its_curves(tmp_path):
     for n, outside in ((3, False), (14, True)):
         rows = [{"policy": f"gate {i}", "evict_pct": e, "ppl": 10.0 + i + e / 100}
                 for i in range(n) for e in (40.0, 50.0)]
-        fig, axes = plt.subplots(1, 1, squeeze=False,
-                                 figsize=(5.5 + report._legend_width(rows), 4.2))
+        fig, axes = plt.subplots(1, 1, squeeze=False, figsize=(5.5, 4.2))
         report._draw_series(axes[0][0], rows, "ppl", "t", "perplexity")
         assert report._save(plt, fig, axes, tmp_path / f"{n}.png").is_file()
         ax = axes[0][0]
