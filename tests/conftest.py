@@ -2,9 +2,25 @@
 
 from __future__ import annotations
 
+import importlib.util
+from pathlib import Path
+from types import ModuleType
+
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def load_script(relpath: str) -> ModuleType:
+    """A script of the repository (infer.py, bench/*.py) imported by path: they are not in the
+    package, and importing by path runs their definitions but not their `__main__` block."""
+    path = ROOT / relpath
+    spec = importlib.util.spec_from_file_location(f"script_{path.stem}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def tiny_llama_config(**overrides) -> LlamaConfig:

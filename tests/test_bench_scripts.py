@@ -60,13 +60,9 @@ def test_run_results_refuses_bad_arguments_before_running_anything(args, message
 
 
 def _bench_kernel():
-    import importlib.util
+    from conftest import load_script
 
-    spec = importlib.util.spec_from_file_location("bench_kernel_under_test",
-                                                  ROOT / "bench" / "bench_kernel.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("bench/bench_kernel.py")
 
 
 def test_bench_kernel_times_every_chunk_setting_against_the_materialised_kernel(capsys):

@@ -3,21 +3,17 @@ the gate's windows, and a recipe's seeds pooled into one row (over seeds and ove
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import re
 from pathlib import Path
 
 import pytest
+from conftest import load_script
 
 from kvgate.eval.report import plot_ppl_vs_eviction
 
-ROOT = Path(__file__).resolve().parents[2]
-_spec = importlib.util.spec_from_file_location(
-    "summarize_ablation", ROOT / "bench" / "summarize_ablation.py")
-summarize_ablation = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(summarize_ablation)
+summarize_ablation = load_script("bench/summarize_ablation.py")
 
 TOKENS = 100
 

@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
-_spec = importlib.util.spec_from_file_location("summarize_mc", ROOT / "bench" / "summarize_mc.py")
-summarize_mc = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(summarize_mc)
+from conftest import load_script
+
+summarize_mc = load_script("bench/summarize_mc.py")
 
 
 def record(policy: str, mode: str, hits: list[int], task: str = "rte") -> dict:

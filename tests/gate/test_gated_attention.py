@@ -162,14 +162,11 @@ def test_gqa_flag_broadcast_to_its_query_heads():
 def test_bench_stand_in_takes_every_argument_of_the_kernel():
     """bench/bench_train.py swaps the kernel for the materialised formula: it must accept all
     that the gated layers pass, and compute the same attention."""
-    import importlib.util
     import inspect
-    from pathlib import Path
 
-    path = Path(__file__).resolve().parents[2] / "bench" / "bench_train.py"
-    spec = importlib.util.spec_from_file_location("bench_train_under_test", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    from conftest import load_script
+
+    bench = load_script("bench/bench_train.py")
     assert (list(inspect.signature(bench.materialised).parameters)
             == list(inspect.signature(gated_attention).parameters))
     q, k, v = _qkv(b=1, n=10)

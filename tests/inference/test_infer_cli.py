@@ -2,25 +2,18 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
-from conftest import build, tiny_llama_config
+from conftest import build, load_script, tiny_llama_config
 from engine_toys import char_tokenizer
 
 import kvgate.models
 
-ROOT = Path(__file__).resolve().parents[2]
-
 
 @pytest.fixture(scope="module")
 def cli():
-    spec = importlib.util.spec_from_file_location("kvgate_infer_cli", ROOT / "infer.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("infer.py")
 
 
 @pytest.fixture
