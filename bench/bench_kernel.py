@@ -44,11 +44,13 @@ def inputs(shape: tuple[int, ...], device: torch.device, seed: int = 0):
     return q, k, v, gate
 
 
-def regimes(backward_rows: list[int]) -> dict:
+def regimes(backward_rows: list[int], flex: bool = False) -> dict:
     out = {"materialised": lambda q, k, v, g: gated_attention_reference(q, k, v, g, recent=RECENT)}
     for rows in backward_rows:
         name = "kvgate" if rows == 0 else f"kvgate_bwd{rows}"
         out[name] = functools.partial(gated_attention, recent=RECENT, chunk=rows or None)
+    if flex:
+        out["flex"] = functools.partial(gated_attention, recent=RECENT, kernel="flex")
     return out
 
 
@@ -116,10 +118,14 @@ def main(argv: list[str] | None = None) -> dict:
                     help="B,H,H_kv,n,d")
     ap.add_argument("--backward-rows", type=int, nargs="+", default=[0])
     ap.add_argument("--repeats", type=int, default=10)
+    ap.add_argument("--flex", action="store_true",
+                    help="add the FlexAttention kernel (kernel='flex'; its backward needs CUDA)")
     ap.add_argument("--profile", action="store_true")
     args = ap.parse_args(argv)
     device = torch.device(args.device)
-    fns = regimes(args.backward_rows)
+    if args.flex and device.type != "cuda":
+        raise SystemExit("--flex: the FlexAttention kernel trains only on CUDA (no backward here)")
+    fns = regimes(args.backward_rows, args.flex)
     results = {}
     for text in args.shapes:
         shape = tuple(int(x) for x in text.split(","))

@@ -16,7 +16,8 @@ the speed-up (target >= 2x). With ``--prefill full`` (one-shot gates, ``--contin
 of each block scored) a third regime, ``kvgate_whole``, runs kvgate's kernel over the whole
 block as the materialised regime does, while ``kvgate`` encodes the prompt once without autograd
 (``kvgate.gate.prefix``: same loss and gradients), so the two speed-ups are told apart.
-``--bound`` adds ``attention_free``: the same step with the gated attention replaced by an
+``--flex`` adds ``flex``: kvgate with the block-sparse FlexAttention kernel (``GateConfig.kernel``
+"flex"; trains on CUDA only). ``--bound`` adds ``attention_free``: the same step with the gated attention replaced by an
 elementwise stand-in that costs next to nothing (q, k, v and the gate stay in the graph, so the
 rest of the backward is unchanged). materialised / attention_free is the ceiling of what any
 gated-attention kernel can gain on that step (Amdahl): where it is below 2, no kernel reaches 2x.
@@ -40,21 +41,24 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import kvgate.gate.apply as gate_apply
-from kvgate.attention.gated import gated_attention_reference
+import kvgate.gate.prefix as gate_prefix
+from kvgate.attention.gated import gated_attention, gated_attention_reference
 from kvgate.gate import GateConfig
 from kvgate.inference.engine import sync_device
 from kvgate.training.data import CPTDataModule
 from kvgate.training.module import KVGateModule
 
 
-def materialised(q, k, v, gate, allowed=None, scaling=None, recent=0, chunk=None, prompt=None):
+def materialised(q, k, v, gate, allowed=None, scaling=None, recent=0, chunk=None, prompt=None,
+                 kernel=None):
     """The prototype's gated attention: the n x n gated softmax, autograd backward (takes
     every argument of kvgate's ``gated_attention``, so it can stand in for it)."""
     return gated_attention_reference(q, k, v, gate, allowed, scaling=scaling, recent=recent,
                                      prompt=prompt)
 
 
-def attention_free(q, k, v, gate, allowed=None, scaling=None, recent=0, chunk=None, prompt=None):
+def attention_free(q, k, v, gate, allowed=None, scaling=None, recent=0, chunk=None, prompt=None,
+                   kernel=None):
     """Not attention: an O(n d) stand-in with the kernel's signature and output shape whose
     output depends on q, k, v and the gate, so every gradient path of the step stays open."""
     group = q.shape[1] // k.shape[1]
@@ -64,7 +68,13 @@ def attention_free(q, k, v, gate, allowed=None, scaling=None, recent=0, chunk=No
     return q + kv * flags[:, :, rows, None].to(q.dtype)
 
 
-IMPLEMENTATIONS = {"materialised": materialised, "attention_free": attention_free}
+def flex(q, k, v, gate, allowed=None, scaling=None, recent=0, chunk=None, prompt=None,
+         kernel=None):
+    """kvgate's gated attention on its FlexAttention kernel, whatever the gate config says."""
+    return gated_attention(q, k, v, gate, allowed, scaling, recent, chunk, prompt, kernel="flex")
+
+
+IMPLEMENTATIONS = {"materialised": materialised, "attention_free": attention_free, "flex": flex}
 
 
 @contextmanager
@@ -73,12 +83,13 @@ def attention_impl(name: str):
     if name == "kvgate":
         yield
         return
-    saved = gate_apply.gated_attention
-    gate_apply.gated_attention = IMPLEMENTATIONS[name]
+    # both callers: the whole-block layer and one-shot training's second pass
+    saved = gate_apply.gated_attention, gate_prefix.gated_attention
+    gate_apply.gated_attention = gate_prefix.gated_attention = IMPLEMENTATIONS[name]
     try:
         yield
     finally:
-        gate_apply.gated_attention = saved
+        gate_apply.gated_attention, gate_prefix.gated_attention = saved
 
 
 def build(base: str, train: str, dtype: str = "float32", device: str = "cpu",
@@ -134,11 +145,15 @@ def main() -> int:
     parser.add_argument("--distill-weight", type=float, default=0.0,
                         help="recipe.distill_weight (the teacher's forward is part of a step)")
     parser.add_argument("--lm-weight", type=float, default=1.0, help="recipe.lm_weight")
+    parser.add_argument("--flex", action="store_true",
+                        help="--pair materialised: also time kvgate on its FlexAttention kernel")
     parser.add_argument("--bound", action="store_true",
                         help="--pair materialised: also time the step with attention at ~no cost")
     args = parser.parse_args()
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         raise SystemExit(f"--device {args.device}: no CUDA device here")
+    if args.flex and not args.device.startswith("cuda"):
+        raise SystemExit("--flex: the FlexAttention kernel trains only on CUDA (no backward here)")
     if args.prefill == "full" and not 0 < args.continuation < args.seq_len - 1:
         raise SystemExit("--prefill full: set --continuation between 1 and --seq-len - 2")
     gate = GateConfig(prefill=args.prefill, recent=args.recent, sinks=args.sinks)
@@ -156,6 +171,7 @@ def main() -> int:
         # one module, several routes: identical weights, so only the computation differs
         names = ["kvgate", "kvgate_whole", "materialised"] if args.prefill == "full" else [
             "kvgate", "materialised"]
+        names += ["flex"] if args.flex else []
         names += ["attention_free"] if args.bound else []
         regimes = {name: (module, opt) for name in names}
         impl = {name: name if name in IMPLEMENTATIONS else "kvgate" for name in names}
@@ -223,6 +239,10 @@ def main() -> int:
             print(f"  ceiling, materialised vs attention_free (attention at no cost): "
                   f"{tps['attention_free'] / tps[b]:.3f}x; kvgate reaches "
                   f"{(tps[a] / tps[b] - 1) / (tps['attention_free'] / tps[b] - 1):.0%} of that gain")
+        if "flex" in tps:
+            print(f"  flex kernel vs materialised: {tps['flex'] / tps[b]:.3f}x; vs kvgate: "
+                  f"{tps['flex'] / tps[a]:.3f}x" + (f"; peak memory vs materialised "
+                                                    f"{peak['flex'] / peak[b]:.2f}x" if cuda else ""))
         if "kvgate_whole" in tps:
             print(f"  of which two passes (kvgate vs kvgate_whole): "
                   f"{tps['kvgate'] / tps['kvgate_whole']:.3f}x; kernel (kvgate_whole vs "

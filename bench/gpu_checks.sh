@@ -7,7 +7,9 @@
 #
 # PARTs (all by default): tests (pytest -m gpu), bench (eq. 5 training speed, kvgate vs
 # materialised), oneshot (the two-pass one-shot step vs whole-block kvgate vs materialised),
-# train (train.py, DeepSpeed, infer.py on CUDA), lora (fp32 base, gates + LoRA vs LoRA only).
+# train (train.py, DeepSpeed, infer.py on CUDA), lora (fp32 base, gates + LoRA vs LoRA only),
+# flex (the FlexAttention kernel, GateConfig.kernel "flex": alone and in a training step, beside
+# kvgate's chunked kernel and the materialised one).
 #
 # The CUDA machine needs torch, transformers, peft, lightning (no network): the SmolLM2 weights
 # do not travel (98 MB), so the base is a random model of SmolLM2's shape (bench/random_base.py);
@@ -42,13 +44,13 @@ PY
   exit 0
 fi
 
-usage="usage: $0 prepare | run OUTDIR [tests|bench|oneshot|train|lora ...]"
+usage="usage: $0 prepare | run OUTDIR [tests|bench|oneshot|train|lora|flex ...]"
 [ "${1:-}" = run ] || { echo "$usage" >&2; exit 2; }
 out=${2:?$usage}
 shift 2
-parts=("$@"); [ ${#parts[@]} -gt 0 ] || parts=(tests bench oneshot train lora)
+parts=("$@"); [ ${#parts[@]} -gt 0 ] || parts=(tests bench oneshot train lora flex)
 for p in "${parts[@]}"; do
-  case $p in tests|bench|oneshot|train|lora) ;; *) echo "unknown PART '$p'; $usage" >&2; exit 2 ;; esac
+  case $p in tests|bench|oneshot|train|lora|flex) ;; *) echo "unknown PART '$p'; $usage" >&2; exit 2 ;; esac
 done
 want() { [[ " ${parts[*]} " == *" $1 "* ]]; }
 mkdir -p "$out"
@@ -116,6 +118,15 @@ want train && {
       --prompt "The history of the river begins in the mountains, where" --max-new-tokens 16
   done
 } 2>&1 | grep -v "it/s\]" | tee "$out/train.log"
+
+want flex && {
+  step "bench_kernel --flex" $py bench/bench_kernel.py --device cuda --flex --repeats 5 \
+    --shapes 1,9,3,2048,64 1,9,3,3072,64 1,32,32,2048,128 1,32,32,4096,128 4,9,3,256,64
+  for seq in 2048 4096; do bench "$big" bfloat16 $seq 1 materialised --flex; done
+  for seq in 1024 3072; do bench "$base" bfloat16 $seq 1 materialised --flex; done
+  bench "$big" bfloat16 2048 1 materialised --continuation 512 --prefill full --recent 16 \
+    --sinks 4 --distill-weight 1 --lm-weight 0 --flex
+} 2>&1 | grep -v "it/s\]" | tee "$out/bench_flex.log"
 
 want lora && {
   bench "$base" float32 1024 1; bench "$base" bfloat16 1024 1 lora; bench "$big" bfloat16 2048 1 lora

@@ -36,6 +36,15 @@ EXP_CLAMP = 10.0
 # Forward bias of a key the gate evicted: exp(EVICTED + s - max) is exactly 0 in fp32, as with
 # -inf, but EVICTED * 0 is 0 where -inf * 0 would be NaN.
 EVICTED = -1e30
+# "chunked": this module (any device); "flex": kvgate.attention.flex (block-sparse, CUDA training)
+KERNELS = ("chunked", "flex")
+
+
+def choose_kernel(name: str, device: torch.device) -> str:
+    """The kernel a gate config's ``kernel`` names on ``device`` ("auto" resolved)."""
+    if name != "auto":
+        return name
+    return "chunked"
 
 
 def _chunk_masks(allowed: Tensor | None, rows: slice, offset: int, recent: int, device,
@@ -196,7 +205,8 @@ class _GatedAttention(torch.autograd.Function):
 
 def gated_attention(q: Tensor, k: Tensor, v: Tensor, gate: Tensor, allowed: Tensor | None = None,
                     scaling: float | None = None, recent: int = 0,
-                    chunk: int | None = None, prompt: Tensor | None = None) -> Tensor:
+                    chunk: int | None = None, prompt: Tensor | None = None,
+                    kernel: str = "chunked") -> Tensor:
     """Attention where evicted keys (gate 0) are hidden from every later query.
 
     q [B, H, n_q, d] (the last n_q positions; n_q = n unless a prefix is already encoded);
@@ -206,9 +216,12 @@ def gated_attention(q: Tensor, k: Tensor, v: Tensor, gate: Tensor, allowed: Tens
     causal/padding/window) or None for plain causal; recent: keys within the last ``recent``
     positions of each query bypass the gate (the diagonal always does); prompt [B, n] bool or
     None: one-shot use (module docstring), the gate only hides prompt keys from the rows after
-    the prompt.
+    the prompt; kernel: "chunked" (this module) or "flex" (``kvgate.attention.flex``:
+    block-sparse FlexAttention, trains on CUDA only).
     Returns [B, H, n_q, d] in q's dtype. Softmax and accumulation run in fp32.
     """
+    if kernel not in KERNELS:
+        raise ValueError(f"unknown attention kernel {kernel!r}; known: {list(KERNELS)}")
     b, h, nq, d = q.shape
     n = k.shape[2]
     if nq > n:
@@ -224,12 +237,16 @@ def gated_attention(q: Tensor, k: Tensor, v: Tensor, gate: Tensor, allowed: Tens
         if allowed.shape[1] != 1:
             raise ValueError("per-head base masks are not supported; pass [B, 1, n_q, n]")
         allowed = allowed[..., -nq:, -n:].expand(b, 1, nq, n)
+    if prompt is not None and tuple(prompt.shape) != (b, n):
+        raise ValueError(f"prompt shape {tuple(prompt.shape)} must be [B, n] = [{b}, {n}]")
+    if kernel == "flex":
+        from kvgate.attention.flex import flex_gated_attention
+
+        return flex_gated_attention(q, k, v, gate, allowed, scaling, int(recent), prompt)
     scaling = 1.0 / math.sqrt(d) if scaling is None else float(scaling)
     g = h // k.shape[1]
     kr = k.repeat_interleave(g, 1).float()
     vr = v.repeat_interleave(g, 1).float()
-    if prompt is not None and tuple(prompt.shape) != (b, n):
-        raise ValueError(f"prompt shape {tuple(prompt.shape)} must be [B, n] = [{b}, {n}]")
     keep = _keep_per_query_head(gate, h)
     # rows per chunk of the forward and of the backward: on the CPU the forward runs in the
     # backward's chunks (see _chunked_forward); the CUDA kernel takes the whole problem at once

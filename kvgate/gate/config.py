@@ -8,6 +8,7 @@ from typing import Any, Literal, get_args
 GateMode = Literal["causal", "prompt_bidirectional"]
 GateTarget = Literal["kv", "query"]
 GatePrefill = Literal["gated", "full"]
+GateKernel = Literal["auto", "chunked", "flex"]
 
 
 class ConfigError(ValueError):
@@ -39,6 +40,9 @@ class GateConfig:
     # "full": one-shot, trained on prompt + continuation blocks: the prompt attends fully and
     # only the continuation reads the gated prompt, as when a heuristic compresses after prefill
     prefill: GatePrefill = "gated"
+    # gated attention's kernel (kvgate.attention): "chunked" runs anywhere; "flex" is
+    # block-sparse FlexAttention, trains on CUDA only; "auto" picks per device (choose_kernel)
+    kernel: GateKernel = "auto"
 
     def __post_init__(self) -> None:
         self.validate()
@@ -63,6 +67,8 @@ class GateConfig:
             raise bad("mode", "must be 'causal' or 'prompt_bidirectional'")
         if self.prefill not in get_args(GatePrefill):
             raise bad("prefill", "must be 'gated' or 'full'")
+        if self.kernel not in get_args(GateKernel):
+            raise bad("kernel", f"must be one of {list(get_args(GateKernel))}")
         if self.target not in ("kv", "query"):
             raise bad("target", "must be 'kv' or 'query'")
         for key in ("ungated_layers", "sinks", "recent"):

@@ -80,6 +80,60 @@ def test_cuda_and_cpu_give_the_same_gated_attention():
     torch.testing.assert_close(gpu.cpu(), cpu, atol=2e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize("n,nq", [(37, 37), (300, 300), (300, 100)])  # 100: after a prefix
+@pytest.mark.parametrize("recent", [0, 5])
+@pytest.mark.parametrize("one_shot", [False, True])
+def test_flex_kernel_on_cuda_gives_the_chunked_kernels_output_and_four_gradients(n, nq, recent,
+                                                                                 one_shot):
+    """FlexAttention's own backward (dq, dk, dv) plus the transposed gate-gradient pass."""
+    g = torch.Generator().manual_seed(0)
+    b, h, hk, d = 2, 4, 2, 16
+    q = torch.randn(b, h, nq, d, generator=g).to(CUDA).requires_grad_(True)
+    k, v = (torch.randn(b, hk, n, d, generator=g).to(CUDA).requires_grad_(True) for _ in "kv")
+    gate = (torch.rand(b, hk, n, generator=g) > 0.4).float().to(CUDA).requires_grad_(True)
+    allowed = torch.ones(b, 1, nq, n, dtype=torch.bool, device=CUDA)
+    allowed[0, :, :, :3] = False
+    prompt = None
+    if one_shot:
+        prompt = torch.zeros(b, n, dtype=torch.bool, device=CUDA)
+        prompt[0, 3: n // 2], prompt[1, : n // 3] = True, True
+    results = {kernel: _grads(lambda *t, kernel=kernel: gated_attention(
+        *t, allowed, recent=recent, prompt=prompt, kernel=kernel), q, k, v, gate)
+        for kernel in ("chunked", "flex")}
+    (want, want_grads), (got, got_grads) = results["chunked"], results["flex"]
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
+    for name, a, b_ in zip(["q", "k", "v", "gate"], got_grads, want_grads):
+        torch.testing.assert_close(a, b_, atol=5e-4, rtol=1e-3, msg=lambda m, name=name: f"d{name}: {m}")
+    assert got_grads[3][gate.detach() == 0].abs().sum() > 0
+
+
+@pytest.mark.parametrize("prefill", ["gated", "full"])
+def test_gated_model_training_step_on_the_flex_kernel_equals_the_chunked_one(base_dir, prefill):
+    """GateConfig.kernel through the patched layers, one-shot's two passes included."""
+    ids = torch.randint(4, 100, (2, 300), generator=torch.Generator().manual_seed(0))
+    batch = {"input_ids": ids.to(CUDA), "attention_mask": torch.ones_like(ids).to(CUDA),
+             "labels": ids.to(CUDA)}
+    results = []
+    for kernel in ("chunked", "flex"):
+        torch.manual_seed(0)
+        module = KVGateModule(base_model=base_dir, train="gates", image_every_n_steps=0,
+                              gate=GateConfig(gamma=0.0, sinks=2, recent=4, prefill=prefill,
+                                              kernel=kernel))
+        module.configure_model()
+        module.to(CUDA)
+        if prefill == "full":
+            batch["prompt_mask"] = torch.zeros_like(batch["input_ids"], dtype=torch.bool)
+            batch["prompt_mask"][:, :200] = True
+        loss = module.objective(batch)[0]
+        loss.backward()
+        results.append((loss.item(), {n: p.grad.cpu() for n, p in module.trainable_named_parameters()}))
+    (want, g_want), (got, g_got) = results
+    assert got == pytest.approx(want, rel=1e-4)
+    assert g_want.keys() == g_got.keys() and g_want
+    for name in g_want:
+        torch.testing.assert_close(g_got[name], g_want[name], atol=1e-4, rtol=1e-3)
+
+
 def test_gated_model_training_step_on_cuda_equals_the_cpu_step(base_dir):
     """fp32 base: loss and every gate gradient equal across devices."""
     ids = torch.randint(4, 100, (2, 40), generator=torch.Generator().manual_seed(0))

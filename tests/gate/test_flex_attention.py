@@ -1,0 +1,97 @@
+"""The FlexAttention kernel (kernel="flex") against the chunked one, on the CPU: forward and the
+gate's gradient (both are flex *forwards*, which run here); dq, dk, dv come from FlexAttention's
+own backward, which needs CUDA (tests/gpu)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import build, tiny_llama_config, tiny_mistral_config
+
+from kvgate.attention.gated import choose_kernel, gated_attention
+from kvgate.gate import GateConfig, patch
+from kvgate.gate.config import ConfigError
+
+# eager flex_attention on the CPU warns that it is the slow reference path: that is the point
+pytestmark = pytest.mark.filterwarnings("ignore:.*flex_attention.*:UserWarning")
+
+
+def _case(n: int, nq: int, per_query_head: bool, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    b, h, hk, d = 2, 4, 2, 16
+    q = torch.randn(b, h, nq, d, generator=g)
+    k, v = (torch.randn(b, hk, n, d, generator=g) for _ in range(2))
+    gate = (torch.rand(b, h if per_query_head else hk, n, generator=g) > 0.4).float()
+    allowed = torch.ones(b, 1, nq, n, dtype=torch.bool)
+    allowed[0, :, :, :3] = False  # left padding of sample 0
+    return q, k, v, gate, allowed
+
+
+def _out_and_gate_grad(kernel, q, k, v, gate, allowed, recent, prompt):
+    gate = gate.clone().requires_grad_(True)
+    out = gated_attention(q, k, v, gate, allowed, recent=recent, prompt=prompt, kernel=kernel)
+    weights = torch.randn(out.shape, generator=torch.Generator().manual_seed(1))
+    (out * weights).sum().backward()
+    return out.detach(), gate.grad
+
+
+@pytest.mark.parametrize("n,nq", [(37, 37), (150, 150), (150, 60)])  # 60: queries after a prefix
+@pytest.mark.parametrize("recent", [0, 5])
+@pytest.mark.parametrize("one_shot", [False, True])
+@pytest.mark.parametrize("per_query_head", [False, True])
+def test_flex_kernel_gives_the_chunked_output_and_gate_gradient(n, nq, recent, one_shot,
+                                                                per_query_head):
+    q, k, v, gate, allowed = _case(n, nq, per_query_head)
+    prompt = None
+    if one_shot:  # prompts of different lengths (GateConfig.prefill="full")
+        prompt = torch.zeros(2, n, dtype=torch.bool)
+        prompt[0, 3: n // 2], prompt[1, : n // 3] = True, True
+    want, want_grad = _out_and_gate_grad("chunked", q, k, v, gate, allowed, recent, prompt)
+    got, got_grad = _out_and_gate_grad("flex", q, k, v, gate, allowed, recent, prompt)
+    torch.testing.assert_close(got, want, atol=2e-6, rtol=1e-5)
+    torch.testing.assert_close(got_grad, want_grad, atol=1e-4, rtol=1e-4)
+    # evicted tokens get a gradient: the transposed pass covers the keys the forward hid
+    assert got_grad[gate == 0].abs().sum() > 0
+
+
+def test_a_key_no_query_is_gated_on_gets_zero_gradient_not_nan():
+    # everything within the recent band: the transposed pass has only empty rows
+    q, k, v, gate, _ = _case(8, 8, per_query_head=False)
+    _, grad = _out_and_gate_grad("flex", q, k, v, gate, None, recent=8, prompt=None)
+    assert torch.equal(grad, torch.zeros_like(grad))
+
+
+def test_training_q_k_v_through_flex_on_the_cpu_is_refused_by_name():
+    q, k, v, gate, _ = _case(20, 20, per_query_head=False)
+    with pytest.raises(RuntimeError, match="flex attention kernel trains only on CUDA"):
+        gated_attention(q.requires_grad_(True), k, v, gate, kernel="flex")
+
+
+def test_unknown_kernel_is_refused_by_name():
+    q, k, v, gate, _ = _case(20, 20, per_query_head=False)
+    with pytest.raises(ValueError, match="unknown attention kernel 'triton'"):
+        gated_attention(q, k, v, gate, kernel="triton")
+    with pytest.raises(ConfigError, match="GateConfig.kernel"):
+        GateConfig(kernel="triton")
+
+
+def test_auto_picks_the_chunked_kernel_on_the_cpu():
+    assert choose_kernel("auto", torch.device("cpu")) == "chunked"
+    assert choose_kernel("flex", torch.device("cpu")) == "flex"
+
+
+@pytest.mark.parametrize("make", [tiny_llama_config, tiny_mistral_config])
+@pytest.mark.parametrize("prefill", ["gated", "full"])
+def test_a_gated_model_on_the_flex_kernel_gives_the_same_logits(make, prefill):
+    """Through the patched layers (GateConfig.kernel), padding and Mistral's window included."""
+    ids = torch.randint(0, 128, (2, 30), generator=torch.Generator().manual_seed(3))
+    mask = torch.ones(2, 30, dtype=torch.long)
+    mask[0, :4] = 0
+    logits = {}
+    for kernel in ("chunked", "flex"):
+        model = build(make())
+        patch(model, GateConfig(recent=4, sinks=2, prefill=prefill, kernel=kernel))
+        with torch.no_grad():
+            logits[kernel] = model(input_ids=ids, attention_mask=mask).logits
+    real = mask.bool()
+    torch.testing.assert_close(logits["flex"][real], logits["chunked"][real], atol=2e-5, rtol=1e-4)
