@@ -58,9 +58,13 @@ def _compiled():
     return torch.compile(flex_attention)
 
 
+def _flex_fn(device: torch.device):
+    return _compiled() if device.type == "cuda" else flex_attention
+
+
 def _attend(q: Tensor, k: Tensor, v: Tensor, **kwargs) -> tuple[Tensor, Tensor]:
     """(out, natural-log lse) of one flex_attention call (compiled on CUDA)."""
-    fn = _compiled() if q.device.type == "cuda" else flex_attention
+    fn = _flex_fn(q.device)
     if AuxRequest is None:
         return fn(q, k, v, return_lse=True, **kwargs)
     out, aux = fn(q, k, v, return_aux=AuxRequest(lse=True), **kwargs)

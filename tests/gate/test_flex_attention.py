@@ -35,10 +35,11 @@ def _out_and_gate_grad(kernel, q, k, v, gate, allowed, recent, prompt):
     return out.detach(), gate.grad
 
 
-@pytest.mark.parametrize("n,nq", [(37, 37), (150, 150), (150, 60)])  # 60: queries after a prefix
-@pytest.mark.parametrize("recent", [0, 5])
-@pytest.mark.parametrize("one_shot", [False, True])
-@pytest.mark.parametrize("per_query_head", [False, True])
+@pytest.mark.parametrize("n,nq,recent,one_shot,per_query_head", [
+    (37, 37, 0, False, False), (37, 37, 5, True, True), (150, 150, 5, False, True),
+    (150, 150, 0, True, False), (150, 60, 5, False, False), (150, 60, 0, True, True),
+    (150, 60, 5, True, False),  # nq 60: queries after an encoded prefix (one-shot's 2nd pass)
+])
 def test_flex_kernel_gives_the_chunked_output_and_gate_gradient(n, nq, recent, one_shot,
                                                                 per_query_head):
     q, k, v, gate, allowed = _case(n, nq, per_query_head)
@@ -95,3 +96,29 @@ def test_a_gated_model_on_the_flex_kernel_gives_the_same_logits(make, prefill):
             logits[kernel] = model(input_ids=ids, attention_mask=mask).logits
     real = mask.bool()
     torch.testing.assert_close(logits["flex"][real], logits["chunked"][real], atol=2e-5, rtol=1e-4)
+
+
+def test_the_mods_trace_in_one_graph_and_new_closures_do_not_recompile(monkeypatch):
+    """On CUDA flex_attention is compiled, and each call builds new mask/score closures: they
+    must trace without a graph break (fullgraph) and hit the cache at the same shape, with one
+    dynamic recompile for a new length, not one per step. Traced here with dynamo's eager
+    backend (the CPU's inductor has no lse output for flex)."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    from kvgate.attention import flex
+
+    torch._dynamo.reset()
+    counters.clear()
+    traced = torch.compile(flex.flex_attention, backend="eager", fullgraph=True)
+    monkeypatch.setattr(flex, "_flex_fn", lambda device: traced)
+    graphs = []
+    for seed, n in enumerate([60, 60, 60, 90, 120, 60]):
+        q, k, v, gate, allowed = _case(n, n, per_query_head=False, seed=seed)
+        _, grad = _out_and_gate_grad("flex", q, k, v, gate, allowed, 5, None)
+        _, want = _out_and_gate_grad("chunked", q, k, v, gate, allowed, 5, None)
+        torch.testing.assert_close(grad, want, atol=1e-4, rtol=1e-4)
+        graphs.append(counters["stats"]["unique_graphs"])
+    torch._dynamo.reset()
+    # two graphs (forward, transposed gate pass) per static shape, then once more dynamic
+    assert graphs == [2, 2, 2, 4, 4, 4]
