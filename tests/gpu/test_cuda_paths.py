@@ -107,54 +107,44 @@ def test_flex_kernel_on_cuda_gives_the_chunked_kernels_output_and_four_gradients
     assert got_grads[3][gate.detach() == 0].abs().sum() > 0
 
 
+def _gates_step(base_dir, device, gate: GateConfig, batch: dict) -> tuple[float, dict]:
+    """Loss and trainable gradients of one gates-only step (same gate initialisation)."""
+    torch.manual_seed(0)
+    module = KVGateModule(base_model=base_dir, train="gates", image_every_n_steps=0, gate=gate)
+    module.configure_model()
+    module.to(device)
+    loss = module.objective({k: t.to(device) for k, t in batch.items()})[0]
+    loss.backward()
+    return loss.item(), {n: p.grad.cpu() for n, p in module.trainable_named_parameters()}
+
+
+def _assert_same_step(got: tuple[float, dict], want: tuple[float, dict]) -> None:
+    assert got[0] == pytest.approx(want[0], rel=1e-4)
+    assert got[1].keys() == want[1].keys() and want[1]
+    for name in want[1]:
+        torch.testing.assert_close(got[1][name], want[1][name], atol=1e-4, rtol=1e-3)
+
+
 @pytest.mark.parametrize("prefill", ["gated", "full"])
 def test_gated_model_training_step_on_the_flex_kernel_equals_the_chunked_one(base_dir, prefill):
     """GateConfig.kernel through the patched layers, one-shot's two passes included."""
     ids = torch.randint(4, 100, (2, 300), generator=torch.Generator().manual_seed(0))
-    batch = {"input_ids": ids.to(CUDA), "attention_mask": torch.ones_like(ids).to(CUDA),
-             "labels": ids.to(CUDA)}
-    results = []
-    for kernel in ("chunked", "flex"):
-        torch.manual_seed(0)
-        module = KVGateModule(base_model=base_dir, train="gates", image_every_n_steps=0,
-                              gate=GateConfig(gamma=0.0, sinks=2, recent=4, prefill=prefill,
-                                              kernel=kernel))
-        module.configure_model()
-        module.to(CUDA)
-        if prefill == "full":
-            batch["prompt_mask"] = torch.zeros_like(batch["input_ids"], dtype=torch.bool)
-            batch["prompt_mask"][:, :200] = True
-        loss = module.objective(batch)[0]
-        loss.backward()
-        results.append((loss.item(), {n: p.grad.cpu() for n, p in module.trainable_named_parameters()}))
-    (want, g_want), (got, g_got) = results
-    assert got == pytest.approx(want, rel=1e-4)
-    assert g_want.keys() == g_got.keys() and g_want
-    for name in g_want:
-        torch.testing.assert_close(g_got[name], g_want[name], atol=1e-4, rtol=1e-3)
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
+    if prefill == "full":
+        batch["prompt_mask"] = torch.zeros_like(ids, dtype=torch.bool)
+        batch["prompt_mask"][:, :200] = True
+    gate = {"gamma": 0.0, "sinks": 2, "recent": 4, "prefill": prefill}
+    _assert_same_step(_gates_step(base_dir, CUDA, GateConfig(**gate, kernel="flex"), batch),
+                      _gates_step(base_dir, CUDA, GateConfig(**gate, kernel="chunked"), batch))
 
 
 def test_gated_model_training_step_on_cuda_equals_the_cpu_step(base_dir):
     """fp32 base: loss and every gate gradient equal across devices."""
     ids = torch.randint(4, 100, (2, 40), generator=torch.Generator().manual_seed(0))
-    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
-    results = []
-    for device in ("cpu", "cuda"):
-        torch.manual_seed(0)  # same gate initialisation on both devices
-        module = KVGateModule(base_model=base_dir, train="gates", image_every_n_steps=0,
-                              gate=GateConfig(gamma=0.0, sinks=2, recent=4))
-        module.configure_model()
-        module.to(device)
-        on = {k: t.to(device) for k, t in batch.items()}
-        lm, _ = causal_lm_loss(module(on["input_ids"], on["attention_mask"]), on["input_ids"])
-        ev, _ = module.gate_terms(on)
-        (lm + ev).backward()
-        results.append((lm.item(), {n: p.grad.cpu() for n, p in module.trainable_named_parameters()}))
-    (lm_cpu, g_cpu), (lm_gpu, g_gpu) = results
-    assert lm_gpu == pytest.approx(lm_cpu, rel=1e-4)
-    assert g_cpu.keys() == g_gpu.keys() and g_cpu
-    for name in g_cpu:
-        torch.testing.assert_close(g_gpu[name], g_cpu[name], atol=1e-4, rtol=1e-3)
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
+    gate = GateConfig(gamma=0.0, sinks=2, recent=4)
+    _assert_same_step(_gates_step(base_dir, CUDA, gate, batch),
+                      _gates_step(base_dir, "cpu", gate, batch))
 
 
 @pytest.mark.parametrize("train", ["gates", "gates_lora"])
