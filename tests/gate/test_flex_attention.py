@@ -55,6 +55,17 @@ def test_flex_kernel_gives_the_chunked_output_and_gate_gradient(n, nq, recent, o
     assert got_grad[gate == 0].abs().sum() > 0
 
 
+def test_a_bf16_gate_gets_a_bf16_gradient_equal_to_the_chunked_kernels():
+    q, k, v, gate, allowed = _case(40, 40, per_query_head=False)
+    grads = {}
+    for kernel in ("chunked", "flex"):
+        flags = gate.to(torch.bfloat16).requires_grad_(True)
+        gated_attention(q, k, v, flags, allowed, recent=3, kernel=kernel).sum().backward()
+        grads[kernel] = flags.grad
+    assert grads["flex"].dtype == torch.bfloat16
+    torch.testing.assert_close(grads["flex"], grads["chunked"])
+
+
 def test_a_key_no_query_is_gated_on_gets_zero_gradient_not_nan():
     # everything within the recent band: the transposed pass has only empty rows
     q, k, v, gate, _ = _case(8, 8, per_query_head=False)
