@@ -113,7 +113,10 @@ def _gate_gradient(q: Tensor, kr: Tensor, vr: Tensor, out: Tensor, lse: Tensor,
     [B, H, nq]; ``block`` the transposed block mask ([n] rows over [nq] columns)."""
     d = q.shape[-1]
     delta = (grad_out * out).sum(-1, keepdim=True)  # D_j = dO_j . o_j
-    values = torch.cat([grad_out, delta], -1)
+    # [dO_j, D_j] zero-padded to a power of two: older Triton templates of flex_attention take
+    # no other value width, and newer ones round it up to one internally anyway
+    width = 1 << d.bit_length()
+    values = torch.cat([grad_out, delta, grad_out.new_zeros(*delta.shape[:-1], width - d - 1)], -1)
 
     def minus_lse(score, b, h, ki, qi):
         # P~_jt = exp(s_jt - lse_j), clamped as in the chunked kernel
