@@ -320,6 +320,9 @@ case "${1:-all}" in
   ctx256b05) # the same at beta 0.05 (recent64_256_b05: ~70% of the prompt), for the range
     # past the ~66% where the beta-0.15 gates stop leading H2O
     ctx256_beta_gate b05 "$2" ;;
+  ctx256band32) # the same with a 32-token band at beta 0.2 (recent64_256_band32_b20: ~69% of
+    # the prompt), to see whether the band, not the training, ends the lead at ~66%
+    ctx256_beta_gate band32_b20 "$2" ;;
   curve256b25) # the beta-0.25 gates of the ctx256b25 step (SEED...: 0 is the unsuffixed run)
     # at keep thresholds 0.44 and 0.65 besides 0.5 and 0.56, so each is a curve over ~50-64%
     # eviction, with H2O at every eviction they reach (SnapKV, StreamingLLM: the curve256 step)
@@ -338,5 +341,5 @@ case "${1:-all}" in
     python -m kvgate.eval mc "${mc[@]}" --budgets 0.3 --out results/mc_headroom_c
     python bench/summarize_mc.py results/mc_headroom_a results/mc_headroom_b \
       results/mc_headroom_c results/mc_short_full --paired full --any-mode ;;
-  *) echo "usage: $0 base|cpt|sft|gate CKPT OUT|sfteval|ppl CKPT OUT BUDGETS|ablation|pplctx CTX CONT WINDOWS OUT GATE...|needle|mcshort|mctasks|mctasksall|mctaskslora|mctasksseed1|mctasksbidir|mctasksb22|mctasksranked|pplseed SEED|ctx256seed SEED|curve256 PART|ctx256b25 SEED|ctx256b15 SEED|ctx256b05 SEED|curve256b25 SEED...|curve256b15 SEED...|headroom" >&2; exit 2 ;;
+  *) echo "usage: $0 base|cpt|sft|gate CKPT OUT|sfteval|ppl CKPT OUT BUDGETS|ablation|pplctx CTX CONT WINDOWS OUT GATE...|needle|mcshort|mctasks|mctasksall|mctaskslora|mctasksseed1|mctasksbidir|mctasksb22|mctasksranked|pplseed SEED|ctx256seed SEED|curve256 PART|ctx256b25 SEED|ctx256b15 SEED|ctx256b05 SEED|ctx256band32 SEED|curve256b25 SEED...|curve256b15 SEED...|headroom" >&2; exit 2 ;;
 esac
