@@ -201,3 +201,16 @@ def test_a_long_legend_goes_beside_the_plot_not_over_its_curves(tmp_path):
         anchor = ax.get_legend().get_bbox_to_anchor().transformed(ax.transAxes.inverted())
         assert (anchor.x0 > 1.0) == outside
         assert fig.get_size_inches()[0] == (8.5 if outside else 5.5)
+
+
+def test_every_curve_gets_its_own_colour_up_to_forty_series():
+    plt = report._pyplot()
+    for n in (12, 25):
+        rows = [{"policy": f"gate {i:02d}", "evict_pct": e, "ppl": 10.0 + i + e / 100}
+                for i in range(n) for e in (40.0, 50.0)]
+        fig, axes = plt.subplots(1, 1, squeeze=False)
+        report._draw_series(axes[0][0], rows, "ppl", "t", "perplexity")
+        colours = {line.get_color() if isinstance(line.get_color(), str)
+                   else tuple(line.get_color()) for line in axes[0][0].get_lines()}
+        assert len(colours) == n
+        plt.close(fig)
