@@ -161,10 +161,8 @@ def flex_gated_attention(q: Tensor, k: Tensor, v: Tensor, gate: Tensor,
         raise RuntimeError("the flex attention kernel needs torch >= 2.5 (FlexAttention)")
     b, h, nq, d = q.shape
     hk, n = k.shape[1], k.shape[2]
-    needs_grad = torch.is_grad_enabled() and any(
-        t.requires_grad for t in (q, k, v, gate))
-    if needs_grad and q.device.type != "cuda" and (q.requires_grad or k.requires_grad
-                                                   or v.requires_grad):
+    grad = torch.is_grad_enabled()
+    if grad and q.device.type != "cuda" and any(t.requires_grad for t in (q, k, v)):
         raise RuntimeError("the flex attention kernel trains only on CUDA (FlexAttention has "
                            "no backward on the CPU); use kernel 'chunked' here")
     scaling = 1.0 / math.sqrt(d) if scaling is None else float(scaling)
@@ -173,7 +171,7 @@ def flex_gated_attention(q: Tensor, k: Tensor, v: Tensor, gate: Tensor,
     qf, kf, vf = q.float(), k.float(), v.float()
     block = _block_mask(visible, b, h, nq, n, q.device)
     out, lse = _attend(qf, kf, vf, block_mask=block, scale=scaling, enable_gqa=hk != h)
-    if needs_grad and gate.requires_grad:
+    if grad and gate.requires_grad:
         kr = kf.detach().repeat_interleave(h // hk, 1)
         vr = vf.detach().repeat_interleave(h // hk, 1)
         transposed = _block_mask(gated_transposed, b, h, n, nq, q.device)

@@ -36,8 +36,9 @@ EXP_CLAMP = 10.0
 # Forward bias of a key the gate evicted: exp(EVICTED + s - max) is exactly 0 in fp32, as with
 # -inf, but EVICTED * 0 is 0 where -inf * 0 would be NaN.
 EVICTED = -1e30
-# "chunked": this module (any device); "flex": kvgate.attention.flex (block-sparse, CUDA training)
-KERNELS = ("chunked", "flex")
+# "chunked": this module (any device); "flex": kvgate.attention.flex (block-sparse, CUDA
+# training); "auto": one of them per device (choose_kernel). GateConfig.kernel takes these names.
+KERNELS = ("auto", "chunked", "flex")
 
 
 def choose_kernel(name: str, device: torch.device) -> str:
@@ -209,7 +210,7 @@ class _GatedAttention(torch.autograd.Function):
 def gated_attention(q: Tensor, k: Tensor, v: Tensor, gate: Tensor, allowed: Tensor | None = None,
                     scaling: float | None = None, recent: int = 0,
                     chunk: int | None = None, prompt: Tensor | None = None,
-                    kernel: str = "chunked") -> Tensor:
+                    kernel: str = "auto") -> Tensor:
     """Attention where evicted keys (gate 0) are hidden from every later query.
 
     q [B, H, n_q, d] (the last n_q positions; n_q = n unless a prefix is already encoded);
@@ -219,8 +220,8 @@ def gated_attention(q: Tensor, k: Tensor, v: Tensor, gate: Tensor, allowed: Tens
     causal/padding/window) or None for plain causal; recent: keys within the last ``recent``
     positions of each query bypass the gate (the diagonal always does); prompt [B, n] bool or
     None: one-shot use (module docstring), the gate only hides prompt keys from the rows after
-    the prompt; kernel: "chunked" (this module) or "flex" (``kvgate.attention.flex``:
-    block-sparse FlexAttention, trains on CUDA only).
+    the prompt; kernel: "chunked" (this module), "flex" (``kvgate.attention.flex``:
+    block-sparse FlexAttention, trains on CUDA only) or "auto" (``choose_kernel``).
     Returns [B, H, n_q, d] in q's dtype. Softmax and accumulation run in fp32.
     """
     if kernel not in KERNELS:
@@ -242,7 +243,7 @@ def gated_attention(q: Tensor, k: Tensor, v: Tensor, gate: Tensor, allowed: Tens
         allowed = allowed[..., -nq:, -n:].expand(b, 1, nq, n)
     if prompt is not None and tuple(prompt.shape) != (b, n):
         raise ValueError(f"prompt shape {tuple(prompt.shape)} must be [B, n] = [{b}, {n}]")
-    if kernel == "flex":
+    if choose_kernel(kernel, q.device) == "flex":
         from kvgate.attention.flex import flex_gated_attention
 
         return flex_gated_attention(q, k, v, gate, allowed, scaling, int(recent), prompt)

@@ -250,9 +250,8 @@ def _draw_series(ax: Any, rows: Sequence[dict[str, Any]], metric: str, title: st
     if len(policies) > 10:  # the default cycle has 10 colours: past it two curves would share one
         from matplotlib import colormaps
 
-        colours = colormaps["tab20"].colors  # paired shades; past 20, a second set of 20
-        ax.set_prop_cycle(color=colours if len(policies) <= 20
-                          else colours + colormaps["tab20b"].colors)
+        # paired shades, and past 20 curves a second set of 20
+        ax.set_prop_cycle(color=colormaps["tab20"].colors + colormaps["tab20b"].colors)
     for policy in policies:
         pts = sorted((r["evict_pct"], r[metric]) for r in rows if r["policy"] == policy)
         if policy == "full":  # the no-eviction reference: a line, so 0% does not set the range

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from kvgate.attention.gated import choose_kernel, gated_attention
+from kvgate.attention.gated import gated_attention
 from kvgate.cache.prefill import new_token_validity
 from kvgate.gate.config import GateConfig
 from kvgate.models.dispatch import context
@@ -147,5 +147,5 @@ def gated_layer_attention(module: nn.Module, query: Tensor, key: Tensor, value: 
             prompt = torch.ones(b, n, dtype=torch.bool, device=query.device)
     out = gated_attention(query, key, value, record.gate, allowed, scaling=scaling,
                           recent=module.kv_gate.config.recent, prompt=prompt,
-                          kernel=choose_kernel(module.kv_gate.config.kernel, query.device))
+                          kernel=module.kv_gate.config.kernel)
     return out.transpose(1, 2).contiguous(), None

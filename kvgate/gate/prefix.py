@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from kvgate.attention.gated import choose_kernel, gated_attention
+from kvgate.attention.gated import gated_attention
 from kvgate.gate.patch import gate_modules
 
 
@@ -109,5 +109,5 @@ def prefix_attention(module: nn.Module, slot: PrefixSlot, query: Tensor, key: Te
     values = torch.cat([slot.value.to(value.dtype), value], 2)
     out = gated_attention(query, keys, values, flags, None, scaling=scaling,
                           recent=gate_mod.config.recent, prompt=prompt,
-                          kernel=choose_kernel(gate_mod.config.kernel, device))
+                          kernel=gate_mod.config.kernel)
     return out.transpose(1, 2).contiguous(), None
