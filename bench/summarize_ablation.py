@@ -8,8 +8,11 @@ Each folder holds ``gate_<run>/results.json`` (one gated checkpoint each, from
 heuristics at one or more kept ratios). A heuristic is reported at the budget whose measured
 %Evict is closest to the gate's; the gap is printed so a mismatch is visible. Every heuristic
 perplexity is taken over the gate's own windows; one scored on fewer of them is marked
-``(k/N windows)`` and not taken as the best (its number is over other text). The last column
-pairs the gate with the best of those heuristics window by window: a 95% interval that
+``(k/N windows)`` and not taken as the best (its number is over other text). So is one whose
+nearest budget is more than ``--max-evict-gap`` points of %Evict (default 2) from the gate's,
+marked ``(N points off)``: a heuristic not scored near the gate's eviction is no match for it
+(at 10 points less eviction it would flatter the heuristic, at 10 more the gate). The last
+column pairs the gate with the best of those heuristics window by window: a 95% interval that
 excludes 0 is a difference the sample can resolve.
 
 Gates trained with other seeds (``gate_<run>_seed<k>``, e.g. from ``run_results.sh pplseed``)
@@ -34,6 +37,10 @@ import re
 from pathlib import Path
 
 HEURISTICS = ("h2o", "snapkv", "streaming", "random")
+# points of %Evict between a gate and a heuristic's nearest budget beyond which the heuristic
+# is not a match: a kept ratio is chosen to 0.01, and rounding to whole tokens per head moves
+# a 256-token prompt's eviction by up to ~1 point
+MAX_EVICT_GAP = 2.0
 
 
 def load(path: Path) -> dict:
@@ -76,7 +83,7 @@ def fmt_gap(gap: tuple[float, float, int] | None) -> str:
     return f"{mean:+.4f} [{mean - half:+.4f}, {mean + half:+.4f}] (n={n})"
 
 
-def table(folder: Path) -> list[str]:
+def table(folder: Path, max_gap: float = MAX_EVICT_GAP) -> list[str]:
     heur = load(folder / "heuristics" / "results.json")
     full = [r for r in heur.values() if r["policy"] == "full" and r.get("complete")]
     rows = []
@@ -102,8 +109,10 @@ def table(folder: Path) -> list[str]:
                 # a heuristic scored on fewer windows than the gate is shown, marked, and not
                 # taken as the best: its number is over other text
                 short = "" if have == len(uids) else f" ({have}/{len(uids)} windows)"
-                line.append(f"{near_ppl:.3f} @ {near['evict_pct']:.1f}{short}")
-                if not short and (best is None or near_ppl < best_ppl):
+                off = abs(near["evict_pct"] - rec["evict_pct"])
+                far = f" ({off:.1f} points off)" if off > max_gap else ""
+                line.append(f"{near_ppl:.3f} @ {near['evict_pct']:.1f}{short}{far}")
+                if not short and not far and (best is None or near_ppl < best_ppl):
                     best, best_ppl = near, near_ppl
             gap = "-" if best is None else f"{rec['ppl'] - best_ppl:+.3f}"
             per_window = {} if best is None else window_gaps(rec, best)
@@ -200,11 +209,15 @@ def main() -> int:
     parser.add_argument("--plot", type=Path, metavar="DIR",
                         help="also draw <DIR>/<folder>_vs_eviction.png: perplexity against "
                              "%%Evict for the heuristics and the gates over the same windows")
+    parser.add_argument("--max-evict-gap", type=float, default=MAX_EVICT_GAP, metavar="POINTS",
+                        help="a heuristic whose nearest budget is further than this from the "
+                             "gate's %%Evict is shown, marked, and not taken as the best "
+                             "(default %(default)s)")
     parser.add_argument("--runs", type=re.compile, metavar="REGEX",
                         help="with --plot: only the gate runs this regex matches")
     args = parser.parse_args()
     for folder in args.folders:
-        print("\n".join(table(folder)))
+        print("\n".join(table(folder, args.max_evict_gap)))
         if args.plot is not None:
             from kvgate.eval.report import plot_ppl_vs_eviction
 

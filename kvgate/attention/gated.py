@@ -30,15 +30,14 @@ import math
 import torch
 from torch import Tensor
 
+from kvgate.attention.kernels import KERNELS
+
 # Evicted keys that outscore every kept key would make P~ = exp(s - lse) explode; the clamp
 # bounds their gradient (1 / e^-10 ~ 2e4 times a kept entry's) while leaving forward exact.
 EXP_CLAMP = 10.0
 # Forward bias of a key the gate evicted: exp(EVICTED + s - max) is exactly 0 in fp32, as with
 # -inf, but EVICTED * 0 is 0 where -inf * 0 would be NaN.
 EVICTED = -1e30
-# "chunked": this module (any device); "flex": kvgate.attention.flex (block-sparse, CUDA
-# training); "auto": one of them per device (choose_kernel). GateConfig.kernel takes these names.
-KERNELS = ("auto", "chunked", "flex")
 
 
 def choose_kernel(name: str, device: torch.device) -> str:

@@ -5,10 +5,12 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, fields
 from typing import Any, Literal, get_args
 
+from kvgate.attention.kernels import AttentionKernel
+
 GateMode = Literal["causal", "prompt_bidirectional"]
 GateTarget = Literal["kv", "query"]
 GatePrefill = Literal["gated", "full"]
-GateKernel = Literal["auto", "chunked", "flex"]
+GateKernel = AttentionKernel  # the kernel names live beside the kernels
 
 
 class ConfigError(ValueError):

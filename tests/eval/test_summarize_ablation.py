@@ -105,3 +105,24 @@ def test_seeds_pool_without_seed_zero(tmp_path):
     seeds = [line.split("|") for line in lines if line.startswith("| run_tau60 ")]
     assert len(seeds) == 1 and seeds[0][2].strip() == "2"
     assert seeds[0][4].strip().startswith(f"{-0.03:+.4f}")
+
+
+def test_a_heuristic_far_from_the_gates_eviction_is_shown_not_taken_as_best(tmp_path):
+    h2o = [2.0, 2.1, 1.9, 2.0]
+    # SnapKV scored only at 70%: its lower perplexity there must not count against a gate at 80%
+    write(tmp_path, "heuristics", record("h2o", 80.5, h2o),
+          record("snapkv", 70.0, [x - 0.3 for x in h2o]))
+    write(tmp_path, "gate_run", record("attention_gate", 80.0, [x - 0.01 for x in h2o]))
+    row = next(line.split("|") for line in summarize_ablation.table(tmp_path)
+               if line.startswith("| run "))
+    assert row[5].strip() == f"{math.exp(1.7):.3f} @ 70.0 (10.0 points off)"
+    assert row[-2].strip() == "-0.0100 [-0.0100, -0.0100] (n=4)"  # paired with h2o
+    # a wider tolerance lets SnapKV back in, and it is then the best
+    row = next(line.split("|") for line in summarize_ablation.table(tmp_path, max_gap=12.0)
+               if line.startswith("| run "))
+    assert row[-2].strip() == "+0.2900 [+0.2900, +0.2900] (n=4)"
+    # nothing near the gate: no best heuristic, no gap
+    write(tmp_path, "gate_far", record("attention_gate", 40.0, h2o))
+    row = next(line.split("|") for line in summarize_ablation.table(tmp_path)
+               if line.startswith("| far "))
+    assert row[-3].strip() == "-" and row[-2].strip() == "-"
