@@ -354,6 +354,22 @@ case "${1:-all}" in
     python -m kvgate.eval ppl --model smollm2-135m --policies h2o,snapkv \
       --budgets "$(kept_ratios "$out/gate_$name/results.json")" "${win[@]}" --out "$out/heuristics"
     python bench/summarize_ablation.py "$out" ;;
+  ctx1024band64more) # the ctx1024band64 gate of seed SEED trained 160 more one-shot steps on
+    # new documents (oneshot64_1024_more.yaml), then its gate and H2O at its eviction over the
+    # same 64 windows
+    seed=$2; sfx=; [ "$seed" = 0 ] || sfx=_seed$seed
+    name=abl_oneshot64_1024_more$sfx; out=results/ppl_ctx1024
+    seed_run "runs/$name" "$seed" --config cpt_recipe \
+      --config configs/ablation/distill_protected_long.yaml \
+      --config configs/ablation/oneshot64_1024.yaml \
+      --config configs/ablation/oneshot64_1024_more.yaml \
+      --model.init_from "runs/abl_oneshot64_1024$sfx/gated"
+    win=(--docs 4000 --context 1024 --continuation 1024 --windows 64 --no-progress)
+    python -m kvgate.eval ppl --checkpoint "runs/$name/gated" --policies attention_gate \
+      "${win[@]}" --out "$out/gate_$name"
+    python -m kvgate.eval ppl --model smollm2-135m --policies h2o \
+      --budgets "$(kept_ratios "$out/gate_$name/results.json")" "${win[@]}" --out "$out/heuristics"
+    python bench/summarize_ablation.py "$out" ;;
   headroom) # how far the best heuristics sit below the full cache on the 7 tasks (base model)
     mc=(--model smollm2-135m --tasks $TASKS7 --limit 200 --budgets 0.5,0.3 --no-progress)
     python -m kvgate.eval mc "${mc[@]}" --policies h2o --mode masked --out results/mc_headroom_a
@@ -365,5 +381,5 @@ case "${1:-all}" in
     python -m kvgate.eval mc "${mc[@]}" --budgets 0.3 --out results/mc_headroom_c
     python bench/summarize_mc.py results/mc_headroom_a results/mc_headroom_b \
       results/mc_headroom_c results/mc_short_full --paired full --any-mode ;;
-  *) echo "usage: $0 base|cpt|sft|gate CKPT OUT|sfteval|ppl CKPT OUT BUDGETS|ablation|pplctx CTX CONT WINDOWS OUT GATE...|needle|mcshort|mctasks|mctasksall|mctaskslora|mctasksseed1|mctasksbidir|mctasksb22|mctasksranked|pplseed SEED|ctx256seed SEED|curve256 PART|ctx256b25 SEED|ctx256b15 SEED|ctx256b05 SEED|ctx256band32 SEED|curve256b25 SEED...|curve256b15 SEED...|curve256band32 SEED...|curve256band32low SEED...|curve256band32mid SEED...|ctx1024band64 SEED|headroom" >&2; exit 2 ;;
+  *) echo "usage: $0 base|cpt|sft|gate CKPT OUT|sfteval|ppl CKPT OUT BUDGETS|ablation|pplctx CTX CONT WINDOWS OUT GATE...|needle|mcshort|mctasks|mctasksall|mctaskslora|mctasksseed1|mctasksbidir|mctasksb22|mctasksranked|pplseed SEED|ctx256seed SEED|curve256 PART|ctx256b25 SEED|ctx256b15 SEED|ctx256b05 SEED|ctx256band32 SEED|curve256b25 SEED...|curve256b15 SEED...|curve256band32 SEED...|curve256band32low SEED...|curve256band32mid SEED...|ctx1024band64 SEED|ctx1024band64more SEED|headroom" >&2; exit 2 ;;
 esac
