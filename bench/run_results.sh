@@ -106,6 +106,22 @@ seed_run() {
   local resume=(); [ -f "$run/checkpoints/last.ckpt" ] && resume=(--ckpt_path last)
   python train.py "$@" --seed_everything "$seed" --run_dir "$run" "${resume[@]}"
 }
+# ctx1024_gate NAME SEED HEURISTICS ARGS...: train.py ARGS as seed SEED into runs/NAME
+# (seed_run), then its gate and HEURISTICS at its eviction over the 64 windows of the pplseed
+# gates, and the summary
+ctx1024_gate() {
+  local name=$1 seed=$2 heur=$3 out=results/ppl_ctx1024; shift 3
+  local win=(--docs 4000 --context 1024 --continuation 1024 --windows 64 --no-progress)
+  seed_run "runs/$name" "$seed" "$@"
+  python -m kvgate.eval ppl --checkpoint "runs/$name/gated" --policies attention_gate \
+    "${win[@]}" --out "$out/gate_$name"
+  python -m kvgate.eval ppl --model smollm2-135m --policies "$heur" \
+    --budgets "$(kept_ratios "$out/gate_$name/results.json")" "${win[@]}" --out "$out/heuristics"
+  python bench/summarize_ablation.py "$out"
+}
+# the config layers of the one-shot 1,024-token gates with a 64-key band
+ONESHOT64=(--config cpt_recipe --config configs/ablation/distill_protected_long.yaml
+  --config configs/ablation/oneshot64_1024.yaml)
 # the config layers of abl_mc_tasks, under which its variants stack theirs
 MC_TASKS=(--config cpt_recipe --config configs/ablation/mc_short.yaml
   --config configs/ablation/mc_tasks.yaml)
@@ -341,35 +357,15 @@ case "${1:-all}" in
     shift; beta_curve band32_b20 "20 27" "$@" ;;
   ctx1024band64) # the band-32 256-token gate of seed SEED trained on one-shot at 1,024 tokens
     # with a 64-key band (oneshot64_1024.yaml), then its gate and H2O / SnapKV at its eviction
-    # over the 64 windows of the pplseed gates
     seed=$2; sfx=; [ "$seed" = 0 ] || sfx=_seed$seed
-    name=abl_oneshot64_1024$sfx; out=results/ppl_ctx1024
-    seed_run "runs/$name" "$seed" --config cpt_recipe \
-      --config configs/ablation/distill_protected_long.yaml \
-      --config configs/ablation/oneshot64_1024.yaml \
-      --model.init_from "runs/abl_recent64_256_band32_b20$sfx/gated"
-    win=(--docs 4000 --context 1024 --continuation 1024 --windows 64 --no-progress)
-    python -m kvgate.eval ppl --checkpoint "runs/$name/gated" --policies attention_gate \
-      "${win[@]}" --out "$out/gate_$name"
-    python -m kvgate.eval ppl --model smollm2-135m --policies h2o,snapkv \
-      --budgets "$(kept_ratios "$out/gate_$name/results.json")" "${win[@]}" --out "$out/heuristics"
-    python bench/summarize_ablation.py "$out" ;;
+    ctx1024_gate "abl_oneshot64_1024$sfx" "$seed" h2o,snapkv "${ONESHOT64[@]}" \
+      --model.init_from "runs/abl_recent64_256_band32_b20$sfx/gated" ;;
   ctx1024band64more) # the ctx1024band64 gate of seed SEED trained 160 more one-shot steps on
-    # new documents (oneshot64_1024_more.yaml), then its gate and H2O at its eviction over the
-    # same 64 windows
+    # new documents (oneshot64_1024_more.yaml), then its gate and H2O at its eviction
     seed=$2; sfx=; [ "$seed" = 0 ] || sfx=_seed$seed
-    name=abl_oneshot64_1024_more$sfx; out=results/ppl_ctx1024
-    seed_run "runs/$name" "$seed" --config cpt_recipe \
-      --config configs/ablation/distill_protected_long.yaml \
-      --config configs/ablation/oneshot64_1024.yaml \
+    ctx1024_gate "abl_oneshot64_1024_more$sfx" "$seed" h2o "${ONESHOT64[@]}" \
       --config configs/ablation/oneshot64_1024_more.yaml \
-      --model.init_from "runs/abl_oneshot64_1024$sfx/gated"
-    win=(--docs 4000 --context 1024 --continuation 1024 --windows 64 --no-progress)
-    python -m kvgate.eval ppl --checkpoint "runs/$name/gated" --policies attention_gate \
-      "${win[@]}" --out "$out/gate_$name"
-    python -m kvgate.eval ppl --model smollm2-135m --policies h2o \
-      --budgets "$(kept_ratios "$out/gate_$name/results.json")" "${win[@]}" --out "$out/heuristics"
-    python bench/summarize_ablation.py "$out" ;;
+      --model.init_from "runs/abl_oneshot64_1024$sfx/gated" ;;
   headroom) # how far the best heuristics sit below the full cache on the 7 tasks (base model)
     mc=(--model smollm2-135m --tasks $TASKS7 --limit 200 --budgets 0.5,0.3 --no-progress)
     python -m kvgate.eval mc "${mc[@]}" --policies h2o --mode masked --out results/mc_headroom_a
