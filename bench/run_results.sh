@@ -106,18 +106,23 @@ seed_run() {
   local resume=(); [ -f "$run/checkpoints/last.ckpt" ] && resume=(--ckpt_path last)
   python train.py "$@" --seed_everything "$seed" --run_dir "$run" "${resume[@]}"
 }
-# ctx1024_gate NAME SEED HEURISTICS ARGS...: train.py ARGS as seed SEED into runs/NAME
-# (seed_run), then its gate and HEURISTICS at its eviction over the 64 windows of the pplseed
-# gates, and the summary
-ctx1024_gate() {
-  local name=$1 seed=$2 heur=$3 out=results/ppl_ctx1024; shift 3
+# ctx1024_score NAME HEURISTICS: the gate of runs/NAME and HEURISTICS at its eviction over the
+# 64 held-out 1,024 + 1,024-token windows of the 1,024-token seed table, then the summary
+ctx1024_score() {
+  local name=$1 heur=$2 out=results/ppl_ctx1024
   local win=(--docs 4000 --context 1024 --continuation 1024 --windows 64 --no-progress)
-  seed_run "runs/$name" "$seed" "$@"
   python -m kvgate.eval ppl --checkpoint "runs/$name/gated" --policies attention_gate \
     "${win[@]}" --out "$out/gate_$name"
   python -m kvgate.eval ppl --model smollm2-135m --policies "$heur" \
     --budgets "$(kept_ratios "$out/gate_$name/results.json")" "${win[@]}" --out "$out/heuristics"
   python bench/summarize_ablation.py "$out"
+}
+# ctx1024_gate NAME SEED HEURISTICS ARGS...: train.py ARGS as seed SEED into runs/NAME
+# (seed_run), then ctx1024_score NAME HEURISTICS
+ctx1024_gate() {
+  local name=$1 seed=$2 heur=$3; shift 3
+  seed_run "runs/$name" "$seed" "$@"
+  ctx1024_score "$name" "$heur"
 }
 # the config layers of the one-shot 1,024-token gates with a 64-key band
 ONESHOT64=(--config cpt_recipe --config configs/ablation/distill_protected_long.yaml
@@ -286,14 +291,7 @@ case "${1:-all}" in
       seed_run "$run" "$seed" "${chain[@]}" "${start[@]}"
       start=(--model.init_from "$run/gated")   # the next stage starts from this one
     done
-    win=(--docs 4000 --context 1024 --continuation 1024 --windows 64 --no-progress)
-    out=results/ppl_ctx1024
-    python -m kvgate.eval ppl --checkpoint "runs/abl_oneshot128_more_seed$seed/gated" \
-      --policies attention_gate "${win[@]}" --out "$out/gate_abl_oneshot128_more_seed$seed"
-    budget=$(kept_ratios "$out/gate_abl_oneshot128_more_seed$seed/results.json")
-    python -m kvgate.eval ppl --model smollm2-135m --policies h2o,snapkv --budgets "$budget" \
-      "${win[@]}" --out "$out/heuristics"
-    python bench/summarize_ablation.py "$out" ;;
+    ctx1024_score "abl_oneshot128_more_seed$seed" h2o,snapkv ;;
   ctx256seed) # abl_recent64_256 (the 256-token win) again with another seed (SEED), then its
     # gate at tau 0.5 and 0.56 and the heuristics at its evictions over the same 128 windows
     seed=$2; run=runs/abl_recent64_256_seed$seed; out=results/ppl_ctx256
