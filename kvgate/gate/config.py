@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, fields
 from typing import Any, Literal, get_args
 
-from kvgate.attention.kernels import AttentionKernel
+from kvgate.attention.kernels import KERNELS, AttentionKernel
 
 GateMode = Literal["causal", "prompt_bidirectional"]
 GateTarget = Literal["kv", "query"]
@@ -69,8 +69,8 @@ class GateConfig:
             raise bad("mode", "must be 'causal' or 'prompt_bidirectional'")
         if self.prefill not in get_args(GatePrefill):
             raise bad("prefill", "must be 'gated' or 'full'")
-        if self.kernel not in get_args(GateKernel):
-            raise bad("kernel", f"must be one of {list(get_args(GateKernel))}")
+        if self.kernel not in KERNELS:
+            raise bad("kernel", f"must be one of {list(KERNELS)}")
         if self.target not in ("kv", "query"):
             raise bad("target", "must be 'kv' or 'query'")
         for key in ("ungated_layers", "sinks", "recent"):

@@ -21,6 +21,14 @@ keeps everything. It runs a gate at exactly a heuristic's budget (the same kept 
 and at any eviction ratio without retraining. With per-query-head gates a KV entry scores the
 maximum over its group, the ranking's form of the threshold's union.
 
+``select`` (inference option, default ``"gate"``): which entries fill each head's count.
+``"h2o"`` or ``"snapkv"`` keeps the gate's *number* of entries per (layer, KV head) and lets
+that heuristic, with its default options, choose *which* ones (its scores and its recent or
+observation window at that count), from a full prefill (one-shot, as the heuristic runs).
+Beside ``rank`` (the gate's choice at a heuristic's uniform budget) it splits what a gate brings
+into two parts measured apart: how it spreads the cache over layers and heads, and which
+entries it keeps inside a head.
+
 ``prefill`` (inference option, default: as the gate trained, ``GateConfig.prefill``):
 ``"gated"`` is the paper's in-prefill eviction above, which also saves prefill attention.
 ``"full"`` encodes the whole prompt with full causal attention and applies the gate's flags only
@@ -39,6 +47,8 @@ import torch
 from torch import Tensor
 
 from kvgate.gate.config import GatePrefill
+
+SELECTORS = ("gate", "h2o", "snapkv")  # who chooses the entries inside the gate's counts
 from kvgate.policies.base import (
     Budget,
     LayerPrompt,
@@ -65,6 +75,7 @@ class AttentionGatePolicy(Policy):
     tau: float | None = None
     prefill: str | None = None
     rank: bool = False
+    select: str = "gate"
 
     def __post_init__(self) -> None:
         check_share(self.name, "tail", self.tail)
@@ -75,6 +86,17 @@ class AttentionGatePolicy(Policy):
         if self.tau is not None and (isinstance(self.tau, bool) or not isinstance(self.tau, (int, float))
                                      or not 0.0 < self.tau < 1.0):
             raise option_error(self.name, "tau", "must be a number in (0, 1)", self.tau)
+        check_choice(self.name, "select", self.select, SELECTORS)
+        if self.select != "gate":
+            if self.rank:
+                raise option_error(self.name, "select", "takes the gate's per-head counts; "
+                                   "rank=true replaces them by the budget", self.select)
+            if self.prefill == "gated":
+                raise option_error(self.name, "prefill", f"must be full with select="
+                                   f"{self.select} (the heuristic scores a full prefill)",
+                                   self.prefill)
+            self.prefill = "full"
+            self.needs_attention = True  # the selector reads the prompt's attention
         if self.rank and self.tau is not None:
             raise option_error(self.name, "tau", "has no effect with rank=true (the budget sets "
                                "the eviction)", self.tau)
@@ -125,7 +147,16 @@ class AttentionGatePolicy(Policy):
         record = compute_gate(module, prompt.hidden, position_embeddings, prompt.valid,
                               prompt=prompt.valid, tau=self.tau)
         flags = by_kv_head(record.gate.detach() > 0.5, hk, "any")  # [B, H_kv, n]
-        return (flags | last) & prompt.valid[:, None, :]
+        kept = (flags | last) & prompt.valid[:, None, :]
+        if self.select == "gate":
+            return kept
+        # the gate's allocation, the heuristic's choice: same count per (row, KV head)
+        from kvgate.policies.registry import get_policy
+
+        chooser = get_policy(self.select)
+        counts = kept.sum(-1)  # [B, H_kv]
+        return select_topk(chooser.scores(prompt), counts, chooser.forced(prompt, counts),
+                           prompt.valid)
 
 
 def by_kv_head(x: Tensor, hk: int, reduce: str) -> Tensor:

@@ -430,7 +430,8 @@ class ScoredPolicy(Policy):
         raise NotImplementedError
 
     def forced(self, prompt: LayerPrompt, kept: Tensor) -> Tensor:
-        """Always-kept entries ``[B, H_kv, n]`` bool for ``kept`` ([B] long) entries per head."""
+        """Always-kept entries ``[B, H_kv, n]`` bool for ``kept`` ([B] or [B, H_kv] long) entries
+        per head."""
         b, hk, n = prompt.key.shape[:3]
         return torch.zeros((b, hk, n), dtype=torch.bool, device=prompt.key.device)
 

@@ -68,8 +68,10 @@ class SnapKV(ScoredPolicy):
         return torch.minimum(resolve_share(self.window, n_real).clamp(min=1), n_real.clamp(min=1))
 
     def window_len(self, kept: Tensor, n_real: Tensor) -> Tensor:
-        """Window entries inside a budget of ``kept`` per head (clipped to the budget)."""
-        return torch.minimum(kept, self.window_tokens(n_real))
+        """Window entries inside a budget of ``kept`` per head ([B] or [B, H_kv]; clipped to
+        the budget)."""
+        w = self.window_tokens(n_real)
+        return torch.minimum(kept, w.view(-1, *([1] * (kept.dim() - 1))))
 
     def scores(self, prompt: LayerPrompt, budget: Budget | None = None) -> Tensor:
         """Pooled window votes ``[B, H_kv, n]``; window and padding columns hold 0."""

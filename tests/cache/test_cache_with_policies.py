@@ -278,3 +278,43 @@ def test_ranked_gate_needs_a_budget_and_takes_no_tau(model):
     with pytest.raises(PolicyError, match="rank"):
         get_policy("attention_gate", rank="yes")
     assert get_policy("attention_gate").budget_free and not spy.budget_free
+
+
+@pytest.mark.parametrize("selector", ["h2o", "snapkv"])
+def test_select_keeps_the_gates_counts_with_the_heuristics_entries(model, selector):
+    """select=h2o|snapkv: every (row, KV head) keeps as many entries as the thresholded gate,
+    and exactly the ones the heuristic keeps at that count; with per-query-head gates too."""
+    from kvgate.gate import GateConfig
+    from kvgate.policies.base import Budget as B
+
+    for target in ("kv", "query"):
+        config = GateConfig(gamma=0.0, sinks=2, recent=3, prefill="full", target=target)
+        flags, _, _ = _gated_prefill(model, config, Budget(ratio=1.0))
+        _, cache, spy = _gated_prefill(model, config, Budget(ratio=1.0), select=selector)
+        heuristic = get_policy(selector)  # select uses the heuristic's default options
+        some_moved = False
+        for layer, ((prompt, kept), f) in enumerate(zip(spy.seen, flags)):
+            assert torch.equal(kept.sum(-1), f.sum(-1))
+            assert torch.equal(cache.kept_counts(layer), kept.sum(-1))
+            for b in range(kept.shape[0]):
+                for h in range(kept.shape[1]):
+                    count = int(kept[b, h].sum())
+                    alone = heuristic.keep(prompt, B(tokens=count))
+                    assert torch.equal(kept[b, h], alone[b, h]), (layer, b, h)
+            some_moved = some_moved or bool((kept != f).any())
+        assert some_moved  # the heuristic chose other entries than the gate somewhere
+        assert not spy.encode_mask and spy.needs_attention
+
+
+def test_select_is_checked():
+    from kvgate.policies.base import PolicyError
+
+    with pytest.raises(PolicyError, match="select: must be one of gate, h2o, snapkv"):
+        get_policy("attention_gate", select="tova")
+    with pytest.raises(PolicyError, match="select.*rank"):
+        get_policy("attention_gate", select="h2o", rank=True)
+    with pytest.raises(PolicyError, match="prefill: must be full with select=h2o"):
+        get_policy("attention_gate", select="h2o", prefill="gated")
+    gate = get_policy("attention_gate", select="snapkv", tau=0.7)
+    assert gate.prefill == "full" and gate.budget_free
+    assert not get_policy("attention_gate").needs_attention
