@@ -36,6 +36,8 @@ import math
 import re
 from pathlib import Path
 
+# the heuristics every ablation folder scores; any other one a folder holds (Ada-KV, PyramidKV,
+# ...) gets a column after these and can be the best heuristic too
 HEURISTICS = ("h2o", "snapkv", "streaming", "random")
 # points of %Evict between a gate and a heuristic's nearest budget beyond which the heuristic
 # is not a match: a kept ratio is chosen to 0.01, and rounding to whole tokens per head moves
@@ -86,6 +88,8 @@ def fmt_gap(gap: tuple[float, float, int] | None) -> str:
 def table(folder: Path, max_gap: float = MAX_EVICT_GAP) -> list[str]:
     heur = load(folder / "heuristics" / "results.json")
     full = [r for r in heur.values() if r["policy"] == "full" and r.get("complete")]
+    names = HEURISTICS + tuple(sorted({r["policy"] for r in heur.values()}
+                                      - {"full", *HEURISTICS}))
     rows = []
     task = None
     # run -> (gap per window, best heuristic's name, gate %Evict): the seed table
@@ -98,7 +102,7 @@ def table(folder: Path, max_gap: float = MAX_EVICT_GAP) -> list[str]:
                     f"{rec['ppl']:.3f}" if rec.get("complete") else
                     f"{rec['ppl']:.3f} (partial {rec['n']})"]
             best, best_ppl, uids = None, math.inf, set(rec.get("examples", {}))
-            for name in HEURISTICS:
+            for name in names:
                 cands = [r for r in heur.values() if r["policy"] == name and r.get("complete")]
                 if not cands:
                     line.append("-")
@@ -124,9 +128,9 @@ def table(folder: Path, max_gap: float = MAX_EVICT_GAP) -> list[str]:
             + (f"{full[0]['ppl']:.3f} over {full[0]['tokens']:,} tokens" if full else "n/a"),
             "",
             "| gate (run) | gate %Evict | gate PPL | " + " | ".join(
-                f"{h} PPL @ %Evict" for h in HEURISTICS)
+                f"{h} PPL @ %Evict" for h in names)
             + " | gate - best heuristic | paired log-PPL gap, 95% CI |",
-            "|---" * (5 + len(HEURISTICS)) + "|"]
+            "|---" * (5 + len(names)) + "|"]
     return head + rows + [""] + seed_table(gaps)
 
 

@@ -126,3 +126,18 @@ def test_a_heuristic_far_from_the_gates_eviction_is_shown_not_taken_as_best(tmp_
     row = next(line.split("|") for line in summarize_ablation.table(tmp_path)
                if line.startswith("| far "))
     assert row[-3].strip() == "-" and row[-2].strip() == "-"
+
+
+def test_other_heuristics_in_the_folder_get_columns_and_can_be_best(tmp_path):
+    h2o = [2.0, 2.1, 1.9, 2.0]
+    write(tmp_path, "heuristics", record("full", 0, [1.8] * 4), record("h2o", 50.0, h2o),
+          record("pyramidkv", 50.0, [x + 0.1 for x in h2o]),
+          record("ada_h2o", 50.0, [x - 0.05 for x in h2o]))
+    write(tmp_path, "gate_run", record("attention_gate", 50.0, [x - 0.02 for x in h2o]))
+    lines = summarize_ablation.table(tmp_path)
+    head = next(line for line in lines if line.startswith("| gate (run)")).split("|")
+    assert [h.strip().removesuffix(" PPL @ %Evict") for h in head[4:-3]] == [
+        "h2o", "snapkv", "streaming", "random", "ada_h2o", "pyramidkv"]
+    row = next(line.split("|") for line in lines if line.startswith("| run "))
+    assert len(row) == len(head) and row[5].strip() == "-"  # no snapkv in this folder
+    assert row[-2].strip() == "+0.0300 [+0.0300, +0.0300] (n=4)"  # against ada_h2o, the best
