@@ -128,15 +128,29 @@ ctx1024_gate() {
 # the entries inside the gate's per-head counts (attention_gate's `select`), over the windows of
 # that context's seed table, into results/ppl_ctxCONTEXT/gate_NAME_selSELECTOR
 gate_select() {
-  local ctx=$1 name=$2 sel=$3 win
-  case "$ctx" in
-    256) win=("${WIN256[@]}") ;;
-    1024) win=(--docs 4000 --context 1024 --continuation 1024 --windows 64 --no-progress) ;;
-    *) echo "gate_select: CONTEXT is 256 or 1024, got $ctx" >&2; exit 2 ;;
-  esac
+  local ctx=$1 name=$2 sel=$3 win=()
+  ctx_windows "$ctx"
   python -m kvgate.eval ppl --checkpoint "runs/$name/gated" \
     --policies "gate_sel$sel=attention_gate" --policy-opt "gate_sel$sel.select=$sel" \
     "${win[@]}" --out "results/ppl_ctx$ctx/gate_${name}_sel$sel"
+}
+# gate_ranked CONTEXT NAME: the gate of runs/NAME ranked (attention_gate's `rank`) at the kept
+# ratio its thresholded run reached, the same count in every layer and head, into
+# results/ppl_ctxCONTEXT/gate_NAME_ranked: the gate's choice of entries at a uniform allocation
+gate_ranked() {
+  local ctx=$1 name=$2 win=() out=results/ppl_ctx$1
+  ctx_windows "$ctx"
+  python -m kvgate.eval ppl --checkpoint "runs/$name/gated" --policies ranked=attention_gate \
+    --policy-opt ranked.rank=true --budgets "$(kept_ratios "$out/gate_$name/results.json")" \
+    "${win[@]}" --out "$out/gate_${name}_ranked"
+}
+# ctx_windows CONTEXT: sets `win` to the windows of that context's seed table
+ctx_windows() {
+  case "$1" in
+    256) win=("${WIN256[@]}") ;;
+    1024) win=(--docs 4000 --context 1024 --continuation 1024 --windows 64 --no-progress) ;;
+    *) echo "CONTEXT is 256 or 1024, got $1" >&2; exit 2 ;;
+  esac
 }
 # the config layers of the one-shot 1,024-token gates with a 64-key band
 ONESHOT64=(--config cpt_recipe --config configs/ablation/distill_protected_long.yaml
@@ -384,6 +398,11 @@ case "${1:-all}" in
     ctx=$2 sel=$3; shift 3
     for name in "$@"; do gate_select "$ctx" "$name" "$sel"; done
     python bench/summarize_ablation.py "results/ppl_ctx$ctx" ;;
+  ranked) # CONTEXT NAME...: the gates of runs/NAME... ranked at their own kept ratio in every
+    # layer and head (gate_ranked), then the summary: the gate's choice without its allocation
+    ctx=$2; shift 2
+    for name in "$@"; do gate_ranked "$ctx" "$name"; done
+    python bench/summarize_ablation.py "results/ppl_ctx$ctx" ;;
   headroom) # how far the best heuristics sit below the full cache on the 7 tasks (base model)
     mc=(--model smollm2-135m --tasks $TASKS7 --limit 200 --budgets 0.5,0.3 --no-progress)
     python -m kvgate.eval mc "${mc[@]}" --policies h2o --mode masked --out results/mc_headroom_a
@@ -395,5 +414,5 @@ case "${1:-all}" in
     python -m kvgate.eval mc "${mc[@]}" --budgets 0.3 --out results/mc_headroom_c
     python bench/summarize_mc.py results/mc_headroom_a results/mc_headroom_b \
       results/mc_headroom_c results/mc_short_full --paired full --any-mode ;;
-  *) echo "usage: $0 base|cpt|sft|gate CKPT OUT|sfteval|ppl CKPT OUT BUDGETS|ablation|pplctx CTX CONT WINDOWS OUT GATE...|needle|mcshort|mctasks|mctasksall|mctaskslora|mctasksseed1|mctasksbidir|mctasksb22|mctasksranked|pplseed SEED|ctx256seed SEED|curve256 PART|ctx256b25 SEED|ctx256b15 SEED|ctx256b05 SEED|ctx256band32 SEED|curve256b25 SEED...|curve256b15 SEED...|curve256band32 SEED...|curve256band32low SEED...|curve256band32mid SEED...|ctx1024band64 SEED|ctx1024band64more SEED|select CONTEXT SELECTOR NAME...|headroom" >&2; exit 2 ;;
+  *) echo "usage: $0 base|cpt|sft|gate CKPT OUT|sfteval|ppl CKPT OUT BUDGETS|ablation|pplctx CTX CONT WINDOWS OUT GATE...|needle|mcshort|mctasks|mctasksall|mctaskslora|mctasksseed1|mctasksbidir|mctasksb22|mctasksranked|pplseed SEED|ctx256seed SEED|curve256 PART|ctx256b25 SEED|ctx256b15 SEED|ctx256b05 SEED|ctx256band32 SEED|curve256b25 SEED...|curve256b15 SEED...|curve256band32 SEED...|curve256band32low SEED...|curve256band32mid SEED...|ctx1024band64 SEED|ctx1024band64more SEED|select CONTEXT SELECTOR NAME...|ranked CONTEXT NAME...|headroom" >&2; exit 2 ;;
 esac
