@@ -124,15 +124,17 @@ ctx1024_gate() {
   seed_run "runs/$name" "$seed" "$@"
   ctx1024_score "$name" "$heur"
 }
-# gate_select CONTEXT NAME SELECTOR: the gate of runs/NAME with SELECTOR (h2o, snapkv) choosing
-# the entries inside the gate's per-head counts (attention_gate's `select`), over the windows of
-# that context's seed table, into results/ppl_ctxCONTEXT/gate_NAME_selSELECTOR
+# gate_select CONTEXT NAME SELECTOR [TAU]: the gate of runs/NAME (at keep threshold 0.TAU if
+# given) with SELECTOR (h2o, snapkv) choosing the entries inside its per-head counts
+# (attention_gate's `select`), over the windows of that context's seed table, into
+# results/ppl_ctxCONTEXT/gate_NAME[_tauTAU]_selSELECTOR
 gate_select() {
-  local ctx=$1 name=$2 sel=$3 win=()
+  local ctx=$1 name=$2 sel=$3 tau=${4:-} win=() opts=() sfx=
   ctx_windows "$ctx"
+  [ -n "$tau" ] && { opts=(--policy-opt "gate_sel$sel.tau=0.$tau"); sfx=_tau$tau; }
   python -m kvgate.eval ppl --checkpoint "runs/$name/gated" \
     --policies "gate_sel$sel=attention_gate" --policy-opt "gate_sel$sel.select=$sel" \
-    "${win[@]}" --out "results/ppl_ctx$ctx/gate_${name}_sel$sel"
+    "${opts[@]}" "${win[@]}" --out "results/ppl_ctx$ctx/gate_${name}${sfx}_sel$sel"
 }
 # gate_ranked CONTEXT NAME: the gate of runs/NAME ranked (attention_gate's `rank`) at the kept
 # ratio its thresholded run reached, the same count in every layer and head, into
@@ -392,11 +394,11 @@ case "${1:-all}" in
     ctx1024_gate "abl_oneshot64_1024_more$sfx" "$seed" h2o "${ONESHOT64[@]}" \
       --config configs/ablation/oneshot64_1024_more.yaml \
       --model.init_from "runs/abl_oneshot64_1024$sfx/gated" ;;
-  select) # CONTEXT SELECTOR NAME...: the gates of runs/NAME... with SELECTOR choosing inside
-    # their per-head counts (gate_select), then the summary: the gate's allocation of the cache
-    # over layers and heads, with the heuristic's choice of entries
-    ctx=$2 sel=$3; shift 3
-    for name in "$@"; do gate_select "$ctx" "$name" "$sel"; done
+  select) # CONTEXT SELECTOR[:TAU] NAME...: the gates of runs/NAME... (at keep threshold 0.TAU)
+    # with SELECTOR choosing inside their per-head counts (gate_select), then the summary: the
+    # gate's allocation of the cache over layers and heads, with the heuristic's choice
+    ctx=$2 sel=${3%%:*} tau=; [[ $3 == *:* ]] && tau=${3#*:}; shift 3
+    for name in "$@"; do gate_select "$ctx" "$name" "$sel" "$tau"; done
     python bench/summarize_ablation.py "results/ppl_ctx$ctx" ;;
   ranked) # CONTEXT NAME...: the gates of runs/NAME... ranked at their own kept ratio in every
     # layer and head (gate_ranked), then the summary: the gate's choice without its allocation
@@ -414,5 +416,5 @@ case "${1:-all}" in
     python -m kvgate.eval mc "${mc[@]}" --budgets 0.3 --out results/mc_headroom_c
     python bench/summarize_mc.py results/mc_headroom_a results/mc_headroom_b \
       results/mc_headroom_c results/mc_short_full --paired full --any-mode ;;
-  *) echo "usage: $0 base|cpt|sft|gate CKPT OUT|sfteval|ppl CKPT OUT BUDGETS|ablation|pplctx CTX CONT WINDOWS OUT GATE...|needle|mcshort|mctasks|mctasksall|mctaskslora|mctasksseed1|mctasksbidir|mctasksb22|mctasksranked|pplseed SEED|ctx256seed SEED|curve256 PART|ctx256b25 SEED|ctx256b15 SEED|ctx256b05 SEED|ctx256band32 SEED|curve256b25 SEED...|curve256b15 SEED...|curve256band32 SEED...|curve256band32low SEED...|curve256band32mid SEED...|ctx1024band64 SEED|ctx1024band64more SEED|select CONTEXT SELECTOR NAME...|ranked CONTEXT NAME...|headroom" >&2; exit 2 ;;
+  *) echo "usage: $0 base|cpt|sft|gate CKPT OUT|sfteval|ppl CKPT OUT BUDGETS|ablation|pplctx CTX CONT WINDOWS OUT GATE...|needle|mcshort|mctasks|mctasksall|mctaskslora|mctasksseed1|mctasksbidir|mctasksb22|mctasksranked|pplseed SEED|ctx256seed SEED|curve256 PART|ctx256b25 SEED|ctx256b15 SEED|ctx256b05 SEED|ctx256band32 SEED|curve256b25 SEED...|curve256b15 SEED...|curve256band32 SEED...|curve256band32low SEED...|curve256band32mid SEED...|ctx1024band64 SEED|ctx1024band64more SEED|select CONTEXT SELECTOR[:TAU] NAME...|ranked CONTEXT NAME...|headroom" >&2; exit 2 ;;
 esac
