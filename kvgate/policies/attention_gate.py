@@ -47,8 +47,6 @@ import torch
 from torch import Tensor
 
 from kvgate.gate.config import GatePrefill
-
-SELECTORS = ("gate", "h2o", "snapkv")  # who chooses the entries inside the gate's counts
 from kvgate.policies.base import (
     Budget,
     LayerPrompt,
@@ -62,6 +60,11 @@ from kvgate.policies.base import (
     resolve_share,
     select_topk,
 )
+from kvgate.policies.h2o import H2O
+from kvgate.policies.snapkv import SnapKV
+
+# who chooses the entries inside the gate's counts: the gate itself, or a heuristic
+SELECTORS = {"gate": None, "h2o": H2O, "snapkv": SnapKV}
 
 
 @dataclass
@@ -86,7 +89,7 @@ class AttentionGatePolicy(Policy):
         if self.tau is not None and (isinstance(self.tau, bool) or not isinstance(self.tau, (int, float))
                                      or not 0.0 < self.tau < 1.0):
             raise option_error(self.name, "tau", "must be a number in (0, 1)", self.tau)
-        check_choice(self.name, "select", self.select, SELECTORS)
+        check_choice(self.name, "select", self.select, tuple(SELECTORS))
         if self.select != "gate":
             if self.rank:
                 raise option_error(self.name, "select", "takes the gate's per-head counts; "
@@ -151,9 +154,7 @@ class AttentionGatePolicy(Policy):
         if self.select == "gate":
             return kept
         # the gate's allocation, the heuristic's choice: same count per (row, KV head)
-        from kvgate.policies.registry import get_policy
-
-        chooser = get_policy(self.select)
+        chooser = SELECTORS[self.select]()
         counts = kept.sum(-1)  # [B, H_kv]
         return select_topk(chooser.scores(prompt), counts, chooser.forced(prompt, counts),
                            prompt.valid)
