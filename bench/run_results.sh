@@ -106,11 +106,19 @@ seed_run() {
   local resume=(); [ -f "$run/checkpoints/last.ckpt" ] && resume=(--ckpt_path last)
   python train.py "$@" --seed_everything "$seed" --run_dir "$run" "${resume[@]}"
 }
+# ctx_windows CONTEXT: sets `win` to the windows of that context's seed table
+ctx_windows() {
+  case "$1" in
+    256) win=("${WIN256[@]}") ;;
+    1024) win=(--docs 4000 --context 1024 --continuation 1024 --windows 64 --no-progress) ;;
+    *) echo "CONTEXT is 256 or 1024, got $1" >&2; exit 2 ;;
+  esac
+}
 # ctx1024_score NAME HEURISTICS: the gate of runs/NAME and HEURISTICS at its eviction over the
 # 64 held-out 1,024 + 1,024-token windows of the 1,024-token seed table, then the summary
 ctx1024_score() {
-  local name=$1 heur=$2 out=results/ppl_ctx1024
-  local win=(--docs 4000 --context 1024 --continuation 1024 --windows 64 --no-progress)
+  local name=$1 heur=$2 out=results/ppl_ctx1024 win=()
+  ctx_windows 1024
   python -m kvgate.eval ppl --checkpoint "runs/$name/gated" --policies attention_gate \
     "${win[@]}" --out "$out/gate_$name"
   python -m kvgate.eval ppl --model smollm2-135m --policies "$heur" \
@@ -145,14 +153,6 @@ gate_ranked() {
   python -m kvgate.eval ppl --checkpoint "runs/$name/gated" --policies ranked=attention_gate \
     --policy-opt ranked.rank=true --budgets "$(kept_ratios "$out/gate_$name/results.json")" \
     "${win[@]}" --out "$out/gate_${name}_ranked"
-}
-# ctx_windows CONTEXT: sets `win` to the windows of that context's seed table
-ctx_windows() {
-  case "$1" in
-    256) win=("${WIN256[@]}") ;;
-    1024) win=(--docs 4000 --context 1024 --continuation 1024 --windows 64 --no-progress) ;;
-    *) echo "CONTEXT is 256 or 1024, got $1" >&2; exit 2 ;;
-  esac
 }
 # the config layers of the one-shot 1,024-token gates with a 64-key band
 ONESHOT64=(--config cpt_recipe --config configs/ablation/distill_protected_long.yaml

@@ -285,7 +285,6 @@ def test_select_keeps_the_gates_counts_with_the_heuristics_entries(model, select
     """select=h2o|snapkv: every (row, KV head) keeps as many entries as the thresholded gate,
     and exactly the ones the heuristic keeps at that count; with per-query-head gates too."""
     from kvgate.gate import GateConfig
-    from kvgate.policies.base import Budget as B
 
     for target in ("kv", "query"):
         config = GateConfig(gamma=0.0, sinks=2, recent=3, prefill="full", target=target)
@@ -299,7 +298,7 @@ def test_select_keeps_the_gates_counts_with_the_heuristics_entries(model, select
             for b in range(kept.shape[0]):
                 for h in range(kept.shape[1]):
                     count = int(kept[b, h].sum())
-                    alone = heuristic.keep(prompt, B(tokens=count))
+                    alone = heuristic.keep(prompt, Budget(tokens=count))
                     assert torch.equal(kept[b, h], alone[b, h]), (layer, b, h)
             some_moved = some_moved or bool((kept != f).any())
         assert some_moved  # the heuristic chose other entries than the gate somewhere
