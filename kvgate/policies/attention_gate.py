@@ -23,8 +23,10 @@ maximum over its group, the ranking's form of the threshold's union.
 
 ``select`` (inference option, default ``"gate"``): which entries fill each head's count.
 ``"h2o"`` or ``"snapkv"`` keeps the gate's *number* of entries per (layer, KV head) and lets
-that heuristic, with its default options, choose *which* ones (its scores and its recent or
-observation window at that count), from a full prefill (one-shot, as the heuristic runs).
+that heuristic choose *which* ones (its scores and its recent or observation window at that
+count), from a full prefill (one-shot, as the heuristic runs). ``select_options`` (a mapping,
+JSON on the command line: ``select_options={"recent": 32}``) sets the heuristic's own options;
+by default it runs with its defaults.
 Beside ``rank`` (the gate's choice at a heuristic's uniform budget) it splits what a gate brings
 into two parts measured apart: how it spreads the cache over layers and heads, and which
 entries it keeps inside a head.
@@ -40,8 +42,8 @@ hidden states it did not see in training, so its eviction ratio can move a littl
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import get_args
+from dataclasses import dataclass, field
+from typing import Any, get_args
 
 import torch
 from torch import Tensor
@@ -61,6 +63,7 @@ from kvgate.policies.base import (
     select_topk,
 )
 from kvgate.policies.h2o import H2O
+from kvgate.policies.registry import policy_options
 from kvgate.policies.snapkv import SnapKV
 
 # who chooses the entries inside the gate's counts: the gate itself, or a heuristic
@@ -79,6 +82,9 @@ class AttentionGatePolicy(Policy):
     prefill: str | None = None
     rank: bool = False
     select: str = "gate"
+    select_options: dict[str, Any] | None = None
+    # the selector, built once from select / select_options (keep() runs once per layer)
+    _chooser: Policy | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         check_share(self.name, "tail", self.tail)
@@ -100,9 +106,28 @@ class AttentionGatePolicy(Policy):
                                    self.prefill)
             self.prefill = "full"
             self.needs_attention = True  # the selector reads the prompt's attention
+        self._chooser = self._build_chooser()
         if self.rank and self.tau is not None:
             raise option_error(self.name, "tau", "has no effect with rank=true (the budget sets "
                                "the eviction)", self.tau)
+
+    def _build_chooser(self) -> Policy | None:
+        options = self.select_options
+        if options is None:
+            return None if self.select == "gate" else SELECTORS[self.select]()
+        if self.select == "gate":
+            raise option_error(self.name, "select_options", "needs select=h2o or select=snapkv "
+                               "(the gate itself takes no selector options)", options)
+        if not isinstance(options, dict):
+            raise option_error(self.name, "select_options", "must be a mapping of the "
+                               f"{self.select} options, e.g. {{\"recent\": 32}}", options)
+        cls = SELECTORS[self.select]
+        unknown = [key for key in options if key not in policy_options(cls)]
+        if unknown:
+            raise option_error(self.name, "select_options", f"{self.select} has no option "
+                               f"{unknown[0]!r}; its options: {', '.join(policy_options(cls))}",
+                               options)
+        return cls(**options)  # the heuristic checks its own values
 
     @property
     def budget_free(self) -> bool:  # a ranked gate is run at budgets, as the heuristics are
@@ -154,7 +179,7 @@ class AttentionGatePolicy(Policy):
         if self.select == "gate":
             return kept
         # the gate's allocation, the heuristic's choice: same count per (row, KV head)
-        chooser = SELECTORS[self.select]()
+        chooser = self._chooser
         counts = kept.sum(-1)  # [B, H_kv]
         return select_topk(chooser.scores(prompt), counts, chooser.forced(prompt, counts),
                            prompt.valid)

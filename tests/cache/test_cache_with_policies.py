@@ -280,17 +280,21 @@ def test_ranked_gate_needs_a_budget_and_takes_no_tau(model):
     assert get_policy("attention_gate").budget_free and not spy.budget_free
 
 
-@pytest.mark.parametrize("selector", ["h2o", "snapkv"])
-def test_select_keeps_the_gates_counts_with_the_heuristics_entries(model, selector):
+@pytest.mark.parametrize("selector, options", [
+    ("h2o", None), ("snapkv", None), ("h2o", {"recent": 1}), ("snapkv", {"window": 2, "kernel": 1}),
+])
+def test_select_keeps_the_gates_counts_with_the_heuristics_entries(model, selector, options):
     """select=h2o|snapkv: every (row, KV head) keeps as many entries as the thresholded gate,
-    and exactly the ones the heuristic keeps at that count; with per-query-head gates too."""
+    and exactly the ones the heuristic keeps at that count (at its defaults, or at
+    select_options); with per-query-head gates too."""
     from kvgate.gate import GateConfig
 
     for target in ("kv", "query"):
         config = GateConfig(gamma=0.0, sinks=2, recent=3, prefill="full", target=target)
         flags, _, _ = _gated_prefill(model, config, Budget(ratio=1.0))
-        _, cache, spy = _gated_prefill(model, config, Budget(ratio=1.0), select=selector)
-        heuristic = get_policy(selector)  # select uses the heuristic's default options
+        _, cache, spy = _gated_prefill(model, config, Budget(ratio=1.0), select=selector,
+                                       select_options=options)
+        heuristic = get_policy(selector, **(options or {}))
         some_moved = False
         for layer, ((prompt, kept), f) in enumerate(zip(spy.seen, flags)):
             assert torch.equal(kept.sum(-1), f.sum(-1))
@@ -314,6 +318,15 @@ def test_select_is_checked():
         get_policy("attention_gate", select="h2o", rank=True)
     with pytest.raises(PolicyError, match="prefill: must be full with select=h2o"):
         get_policy("attention_gate", select="h2o", prefill="gated")
+    with pytest.raises(PolicyError, match="select_options: needs select=h2o or select=snapkv"):
+        get_policy("attention_gate", select_options={"recent": 4})
+    with pytest.raises(PolicyError, match="select_options: h2o has no option 'window'; its "
+                                          "options: recent, gqa"):
+        get_policy("attention_gate", select="h2o", select_options={"window": 4})
+    with pytest.raises(PolicyError, match="select_options: must be a mapping"):
+        get_policy("attention_gate", select="h2o", select_options=32)
+    with pytest.raises(PolicyError, match="snapkv.window"):  # the heuristic checks its values
+        get_policy("attention_gate", select="snapkv", select_options={"window": -1})
     gate = get_policy("attention_gate", select="snapkv", tau=0.7)
     assert gate.prefill == "full" and gate.budget_free
     assert not get_policy("attention_gate").needs_attention
