@@ -298,6 +298,16 @@ case "${1:-all}" in
   mctasksb22) # abl_mc_tasks aimed at ~68% eviction, where the heuristics lose more (needs `cpt`)
     python train.py "${MC_TASKS[@]}" --config configs/ablation/mc_tasks_b22.yaml
     matched_split runs/abl_mc_tasks_b22/gated results/mc_tasks_b22 h2o,tova ;;
+  mcselect) # NAME OUT HEUR: the MC gate of runs/NAME as trained and with select=h2o (its counts
+    # per example, layer and KV head; H2O's choice inside them) on the 7 tasks, paired with H2O
+    # at the gate's budgets (HEUR: the folder holding those records, e.g. results/mc_tasks), H2O
+    # at 0.5 and the full cache
+    ck=runs/$2/gated; out=$3; heur=$4
+    python -m kvgate.eval mc --checkpoint "$ck" --tasks $TASKS7 --limit 200 --no-progress \
+      --mode masked --policies attention_gate,gate_h2o=attention_gate \
+      --policy-opt gate_h2o.select=h2o --out "$out"
+    python bench/summarize_mc.py "$out" "$heur" results/mc_headroom_a results/mc_short_full \
+      --paired "$(basename "$out")":gate_h2o --any-mode ;;
   mctasksranked) # abl_mc_tasks' gate ranking at the heuristics' fixed budgets (needs `mctasks`)
     for b in 0.5 0.3; do
       python -m kvgate.eval mc --checkpoint runs/abl_mc_tasks/gated --tasks $TASKS7 --limit 200 \

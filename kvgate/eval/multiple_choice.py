@@ -24,6 +24,7 @@ average).
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
@@ -47,6 +48,7 @@ from kvgate.eval.masked import (
 from kvgate.eval.report import ResultStore, budget_label, make_key
 from kvgate.inference import Engine
 from kvgate.policies.base import Budget, Policy
+from kvgate.policies.registry import policy_spec
 
 MODES = ("masked", "cache")
 
@@ -211,17 +213,22 @@ def run_resumable(store: ResultStore, key: str, items: Sequence[Any],
                   score: Callable[[list[Any]], list[dict[str, Any]]],
                   summarise: Callable[[Mapping[str, Any]], dict[str, Any]],
                   extra: Mapping[str, Any] | None = None, batch_size: int = 8,
-                  progress: bool = True) -> dict[str, Any]:
+                  progress: bool = True, policy: Policy | None = None) -> dict[str, Any]:
     """Score ``items`` (each with a ``uid``) under one key, skipping what is stored.
 
     ``score(batch)`` returns one record per item. Items go longest first (an out-of-memory
     shows at once, not at the end); the store is updated after every batch. A complete key
     asked for items it lacks (a larger ``--limit`` or ``--windows``) scores only those.
+    ``policy``: its spec (name and options) is stored with the key, and a key stored with
+    another spec is refused (a label reused with other options would mix two policies).
     """
+    check_spec(store, key, policy)
     done = store.examples(key)
     if store.is_complete(key) and all(it.uid in done for it in items):
         return store.results[key]
     extra = dict(extra or {})
+    if policy is not None:
+        extra["spec"] = policy_spec(policy)
     todo = sorted((it for it in items if it.uid not in done), key=lambda it: -item_size(it))
     batches = [todo[i: i + batch_size] for i in range(0, len(todo), max(1, batch_size))]
     for batch in tqdm(batches, desc=key, disable=not progress, leave=False):
@@ -232,6 +239,20 @@ def run_resumable(store: ResultStore, key: str, items: Sequence[Any],
     final = {uid: r for uid, r in done.items() if uid in wanted}
     store.put(key, {**extra, **summarise(final)}, final, complete=True)
     return store.results[key]
+
+
+def check_spec(store: ResultStore, key: str, policy: Policy | None) -> None:
+    """EvalError if ``key`` is stored with another policy spec than ``policy``'s (records
+    written before specs were stored have none and are taken as they are)."""
+    stored = store.results.get(key, {}).get("spec")
+    if policy is None or stored is None:
+        return
+    spec = json.loads(json.dumps(policy_spec(policy)))  # as it reads back from the file
+    if stored != spec:
+        label = key.split("|")[2]
+        raise EvalError(f"{store.path} holds {key} scored with {stored['policy']} options "
+                        f"{stored['options']}, but this run's {label!r} is {spec['policy']} with "
+                        f"{spec['options']}: give it another label (LABEL=POLICY) or --out folder")
 
 
 def item_size(item: Any) -> int:
@@ -256,7 +277,8 @@ def run_items(model: nn.Module, items: Sequence[ScoringItem], policy: Policy,
         return [score_record(it, s, b if record_budget else None)
                 for it, b, s in zip(batch, budgets, scores)]
 
-    return run_resumable(store, key, items, score, summarise, extra, batch_size, progress)
+    return run_resumable(store, key, items, score, summarise, extra, batch_size, progress,
+                         policy)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -259,7 +259,7 @@ def evaluate_needle(model: nn.Module, tokenizer: Any, texts: Sequence[str],
                             return recs
 
                         run_resumable(store, key, examples, score, needle_summary, extra,
-                                      batch_size, progress)
+                                      batch_size, progress, policy)
                     keys.append(key)
     return keys
 

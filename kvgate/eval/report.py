@@ -4,9 +4,12 @@
 
     {"meta": {"model": ..., ...},
      "results": {KEY: {"kind": "mc"|"needle"|"ppl", "complete": bool, <summary numbers>,
+                       "spec": {"policy": NAME, "options": {...}},
                        "examples": {uid: {<per-example numbers>}}}}}
 
-A KEY names one (kind, task, policy, budget, mode) run, e.g. ``mc|rte|snapkv|0.5|masked``.
+A KEY names one (kind, task, policy, budget, mode) run, e.g. ``mc|rte|snapkv|0.5|masked``;
+its policy part is the run's label (``snap10=snapkv`` stores ``snap10``), and ``spec`` holds
+what that label ran, so a resumed key never mixes two option sets (older files lack it).
 The file is rewritten atomically after every batch (at most every ``flush_s`` seconds) and
 when a key completes, so an interrupted run keeps its finished keys *and* the examples of the
 key it was in; a second run skips complete keys and finished examples.

@@ -76,6 +76,25 @@ def policy_options(cls: type[Policy]) -> list[str]:
     return [f.name for f in fields(cls) if f.init] if is_dataclass(cls) else []
 
 
+def policy_spec(policy: Policy) -> dict[str, Any]:
+    """What a policy is, in plain JSON values: its name and every option's value (a nested
+    policy, e.g. Ada-KV's inner one, as its own spec). An evaluation stores it beside each
+    labelled result, so a label reused with other options is caught, not mixed."""
+    def plain(value: Any) -> Any:
+        if isinstance(value, Policy):
+            return policy_spec(value)
+        if isinstance(value, dict):
+            return {str(k): plain(v) for k, v in value.items()}
+        if isinstance(value, (list, tuple)):
+            return [plain(v) for v in value]
+        if value is None or isinstance(value, (bool, int, float, str)):
+            return value
+        return repr(value)
+
+    return {"policy": policy.name,
+            "options": {key: plain(getattr(policy, key)) for key in policy_options(type(policy))}}
+
+
 def get_policy(name: str, **options: Any) -> Policy:
     """Build a policy by name with validated options (unknown option -> PolicyError)."""
     cls = policy_class(name)

@@ -79,6 +79,26 @@ def test_mc_end_to_end_and_resume(capsys, tiny_cli, tmp_path):
     assert code == 0 and "| copa | full | none | masked | 3 |" in out3
 
 
+def test_a_label_reused_with_other_options_is_refused(capsys, tiny_cli, tmp_path):
+    """Each result stores its policy's spec; a later run that gives the same label other
+    options (here SnapKV's window) stops with one line instead of mixing the two policies."""
+    argv = ["mc", "--model", "x", "--out", str(tmp_path), "--tasks", "copa", "--budgets", "0.5",
+            "--policies", "s=snapkv", "--no-progress"]
+    code, _, err = run(capsys, *argv, "--limit", "2", "--policy-opt", "s.window=4")
+    assert code == 0, err
+    record = json.loads((tmp_path / "results.json").read_text())["results"]["mc|copa|s|0.5|masked"]
+    assert record["spec"]["policy"] == "snapkv" and record["spec"]["options"]["window"] == 4
+    before = (tmp_path / "results.json").read_text()
+    code, _, err = run(capsys, *argv, "--limit", "3", "--policy-opt", "s.window=8")
+    assert code == 2 and err.count("\n") == 1
+    assert "scored with snapkv options" in err and "give it another label" in err
+    assert (tmp_path / "results.json").read_text() == before  # nothing written
+    code, _, err = run(capsys, *argv, "--limit", "3", "--policy-opt", "s.window=4")  # resumes
+    assert code == 0, err
+    record = json.loads((tmp_path / "results.json").read_text())["results"]["mc|copa|s|0.5|masked"]
+    assert record["n"] == 3
+
+
 def test_results_of_another_model_are_not_mixed(capsys, tiny_cli, tmp_path):
     (tmp_path / "results.json").write_text(json.dumps({"meta": {"model": "other"},
                                                        "results": {}}))
@@ -166,6 +186,14 @@ def test_one_policy_under_two_labels_with_different_options():
 
     with pytest.raises(EvalError, match="repeats a label"):
         cli.parse_policies("snapkv,snapkv=h2o", [])
+
+
+def test_a_json_option_reaches_the_policy_as_a_mapping():
+    """select_options={"recent": 32} is parsed as JSON: the gate's H2O selector gets recent 32."""
+    policies = cli.parse_policies("sel=attention_gate", ["sel.select=h2o",
+                                                         'sel.select_options={"recent": 32}'])
+    assert policies["sel"].select_options == {"recent": 32}
+    assert policies["sel"]._chooser.recent == 32
 
 
 @pytest.fixture(scope="module")

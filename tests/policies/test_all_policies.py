@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from policy_testing import decode_inputs, make_prompt, sample
 
 from kvgate.policies import POLICIES, Budget, PolicyError, get_policy, list_policies
 from kvgate.policies.base import LayerPrompt
+from kvgate.policies.registry import policy_options, policy_spec
 
 # small windows so that a 24-token prompt really exercises selection
 OPTIONS = {
@@ -172,6 +175,19 @@ def test_registry_errors_name_the_problem():
     with pytest.raises(PolicyError, match="h2o.gqa"):
         get_policy("h2o", gqa="median")
     assert type(get_policy("SnapKV")).__name__ == "SnapKV"
+
+
+@pytest.mark.parametrize("name", list_policies())
+def test_every_policy_has_a_json_spec_that_tells_options_apart(name):
+    spec = policy_spec(get_policy(name))
+    assert json.loads(json.dumps(spec)) == spec and spec["policy"] == name
+    assert set(spec["options"]) == set(policy_options(type(get_policy(name))))
+
+
+def test_spec_of_a_nested_policy_and_of_changed_options():
+    ada = policy_spec(get_policy("adakv", inner="h2o"))
+    assert ada["options"]["inner"]["policy"] == "h2o"
+    assert policy_spec(get_policy("snapkv", window=4)) != policy_spec(get_policy("snapkv"))
 
 
 def test_attention_gate_slot_is_lazy():
