@@ -298,16 +298,21 @@ case "${1:-all}" in
   mctasksb22) # abl_mc_tasks aimed at ~68% eviction, where the heuristics lose more (needs `cpt`)
     python train.py "${MC_TASKS[@]}" --config configs/ablation/mc_tasks_b22.yaml
     matched_split runs/abl_mc_tasks_b22/gated results/mc_tasks_b22 h2o,tova ;;
-  mcselect) # NAME OUT HEUR: the MC gate of runs/NAME as trained and with select=h2o (its counts
-    # per example, layer and KV head; H2O's choice inside them) on the 7 tasks, paired with H2O
-    # at the gate's budgets (HEUR: the folder holding those records, e.g. results/mc_tasks), H2O
-    # at 0.5 and the full cache
-    ck=runs/$2/gated; out=$3; heur=$4
-    python -m kvgate.eval mc --checkpoint "$ck" --tasks $TASKS7 --limit 200 --no-progress \
-      --mode masked --policies attention_gate,gate_h2o=attention_gate \
-      --policy-opt gate_h2o.select=h2o --out "$out"
-    python bench/summarize_mc.py "$out" "$heur" results/mc_headroom_a results/mc_short_full \
-      --paired "$(basename "$out")":gate_h2o --any-mode ;;
+  mcselect) # NAME OUT HEUR...: the MC gate of runs/NAME as trained and with select=h2o (its
+    # counts per example, layer and KV head; H2O's choice inside them), at H2O's default recent
+    # half and with H2O's recent window set to the gate's own 3-token band (_r3), on the 7
+    # tasks; H2O_r3 at the gate's eviction; paired with the HEUR folders (H2O at the gate's
+    # budgets, e.g. results/mc_tasks), H2O at 0.5 and the full cache
+    ck=runs/$2/gated; out=$3; shift 3
+    mc=(--checkpoint "$ck" --tasks $TASKS7 --limit 200 --no-progress --mode masked --out "$out")
+    python -m kvgate.eval mc "${mc[@]}" \
+      --policies attention_gate,gate_h2o=attention_gate,gate_h2o_r3=attention_gate \
+      --policy-opt gate_h2o.select=h2o --policy-opt gate_h2o_r3.select=h2o \
+      --policy-opt 'gate_h2o_r3.select_options={"recent": 3}'
+    python -m kvgate.eval matched "${mc[@]}" --policies h2o_r3=h2o --policy-opt h2o_r3.recent=3 \
+      --rounding nearest
+    python bench/summarize_mc.py "$out" "$@" results/mc_headroom_a results/mc_short_full \
+      --paired gate_h2o_r3 --any-mode --merge ;;
   mctasksranked) # abl_mc_tasks' gate ranking at the heuristics' fixed budgets (needs `mctasks`)
     for b in 0.5 0.3; do
       python -m kvgate.eval mc --checkpoint runs/abl_mc_tasks/gated --tasks $TASKS7 --limit 200 \
@@ -426,5 +431,5 @@ case "${1:-all}" in
     python -m kvgate.eval mc "${mc[@]}" --budgets 0.3 --out results/mc_headroom_c
     python bench/summarize_mc.py results/mc_headroom_a results/mc_headroom_b \
       results/mc_headroom_c results/mc_short_full --paired full --any-mode ;;
-  *) echo "usage: $0 base|cpt|sft|gate CKPT OUT|sfteval|ppl CKPT OUT BUDGETS|ablation|pplctx CTX CONT WINDOWS OUT GATE...|needle|mcshort|mctasks|mctasksall|mctaskslora|mctasksseed1|mctasksbidir|mctasksb22|mctasksranked|pplseed SEED|ctx256seed SEED|curve256 PART|ctx256b25 SEED|ctx256b15 SEED|ctx256b05 SEED|ctx256band32 SEED|curve256b25 SEED...|curve256b15 SEED...|curve256band32 SEED...|curve256band32low SEED...|curve256band32mid SEED...|ctx1024band64 SEED|ctx1024band64more SEED|select CONTEXT SELECTOR[:TAU] NAME...|ranked CONTEXT NAME...|headroom" >&2; exit 2 ;;
+  *) echo "usage: $0 base|cpt|sft|gate CKPT OUT|sfteval|ppl CKPT OUT BUDGETS|ablation|pplctx CTX CONT WINDOWS OUT GATE...|needle|mcshort|mctasks|mctasksall|mctaskslora|mctasksseed1|mctasksbidir|mctasksb22|mctasksranked|mcselect NAME OUT HEUR...|pplseed SEED|ctx256seed SEED|curve256 PART|ctx256b25 SEED|ctx256b15 SEED|ctx256b05 SEED|ctx256band32 SEED|curve256b25 SEED...|curve256b15 SEED...|curve256band32 SEED...|curve256band32low SEED...|curve256band32mid SEED...|ctx1024band64 SEED|ctx1024band64more SEED|select CONTEXT SELECTOR[:TAU] NAME...|ranked CONTEXT NAME...|headroom" >&2; exit 2 ;;
 esac
