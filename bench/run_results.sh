@@ -424,12 +424,15 @@ case "${1:-all}" in
     mc=(--model smollm2-135m --tasks $TASKS7 --limit 200 --budgets 0.5,0.3 --no-progress)
     python -m kvgate.eval mc "${mc[@]}" --policies h2o --mode masked --out results/mc_headroom_a
     python -m kvgate.eval mc "${mc[@]}" --policies tova --mode masked --out results/mc_headroom_b
+    # H2O with a 3-token recent window, the MC gates' closing band (RESULTS 5b, select=h2o)
+    python -m kvgate.eval mc "${mc[@]}" --policies h2o_r3=h2o --policy-opt h2o_r3.recent=3 \
+      --mode masked --out results/mc_headroom_r3
     # RoCo streams its cache block by block (slow): one folder per budget, so the two can run
     # side by side
     mc=(--model smollm2-135m --tasks $TASKS7 --limit 200 --no-progress --policies roco --mode cache)
     python -m kvgate.eval mc "${mc[@]}" --budgets 0.5 --out results/mc_headroom_b
     python -m kvgate.eval mc "${mc[@]}" --budgets 0.3 --out results/mc_headroom_c
     python bench/summarize_mc.py results/mc_headroom_a results/mc_headroom_b \
-      results/mc_headroom_c results/mc_short_full --paired full --any-mode ;;
+      results/mc_headroom_c results/mc_headroom_r3 results/mc_short_full --paired full --any-mode ;;
   *) echo "usage: $0 base|cpt|sft|gate CKPT OUT|sfteval|ppl CKPT OUT BUDGETS|ablation|pplctx CTX CONT WINDOWS OUT GATE...|needle|mcshort|mctasks|mctasksall|mctaskslora|mctasksseed1|mctasksbidir|mctasksb22|mctasksranked|mcselect NAME OUT HEUR...|pplseed SEED|ctx256seed SEED|curve256 PART|ctx256b25 SEED|ctx256b15 SEED|ctx256b05 SEED|ctx256band32 SEED|curve256b25 SEED...|curve256b15 SEED...|curve256band32 SEED...|curve256band32low SEED...|curve256band32mid SEED...|ctx1024band64 SEED|ctx1024band64more SEED|select CONTEXT SELECTOR[:TAU] NAME...|ranked CONTEXT NAME...|headroom" >&2; exit 2 ;;
 esac
