@@ -420,6 +420,14 @@ case "${1:-all}" in
     ctx=$2; shift 2
     for name in "$@"; do gate_ranked "$ctx" "$name"; done
     python bench/summarize_ablation.py "results/ppl_ctx$ctx" ;;
+  h2or32) # H2O with a 32-token recent window (the LongBench-style setting) at the kept ratios
+    # behind the select / band-32 perplexity claims, beside default H2O (RESULTS 5c)
+    r32=(--model smollm2-135m --policies h2o_r32=h2o --policy-opt h2o_r32.recent=32)
+    python -m kvgate.eval ppl "${r32[@]}" --budgets 0.53,0.51,0.5,0.47,0.31,0.3 "${WIN256[@]}" \
+      --out results/ppl_ctx256/heuristics
+    ctx_windows 1024
+    python -m kvgate.eval ppl "${r32[@]}" --budgets 0.48,0.49 "${win[@]}" \
+      --out results/ppl_ctx1024/heuristics ;;
   headroom) # how far the best heuristics sit below the full cache on the 7 tasks (base model)
     mc=(--model smollm2-135m --tasks $TASKS7 --limit 200 --budgets 0.5,0.3 --no-progress)
     python -m kvgate.eval mc "${mc[@]}" --policies h2o --mode masked --out results/mc_headroom_a
@@ -434,5 +442,5 @@ case "${1:-all}" in
     python -m kvgate.eval mc "${mc[@]}" --budgets 0.3 --out results/mc_headroom_c
     python bench/summarize_mc.py results/mc_headroom_a results/mc_headroom_b \
       results/mc_headroom_c results/mc_headroom_r3 results/mc_short_full --paired full --any-mode ;;
-  *) echo "usage: $0 base|cpt|sft|gate CKPT OUT|sfteval|ppl CKPT OUT BUDGETS|ablation|pplctx CTX CONT WINDOWS OUT GATE...|needle|mcshort|mctasks|mctasksall|mctaskslora|mctasksseed1|mctasksbidir|mctasksb22|mctasksranked|mcselect NAME OUT HEUR...|pplseed SEED|ctx256seed SEED|curve256 PART|ctx256b25 SEED|ctx256b15 SEED|ctx256b05 SEED|ctx256band32 SEED|curve256b25 SEED...|curve256b15 SEED...|curve256band32 SEED...|curve256band32low SEED...|curve256band32mid SEED...|ctx1024band64 SEED|ctx1024band64more SEED|select CONTEXT SELECTOR[:TAU] NAME...|ranked CONTEXT NAME...|headroom" >&2; exit 2 ;;
+  *) echo "usage: $0 base|cpt|sft|gate CKPT OUT|sfteval|ppl CKPT OUT BUDGETS|ablation|pplctx CTX CONT WINDOWS OUT GATE...|needle|mcshort|mctasks|mctasksall|mctaskslora|mctasksseed1|mctasksbidir|mctasksb22|mctasksranked|mcselect NAME OUT HEUR...|pplseed SEED|ctx256seed SEED|curve256 PART|ctx256b25 SEED|ctx256b15 SEED|ctx256b05 SEED|ctx256band32 SEED|curve256b25 SEED...|curve256b15 SEED...|curve256band32 SEED...|curve256band32low SEED...|curve256band32mid SEED...|ctx1024band64 SEED|ctx1024band64more SEED|select CONTEXT SELECTOR[:TAU] NAME...|ranked CONTEXT NAME...|h2or32|headroom" >&2; exit 2 ;;
 esac
