@@ -222,13 +222,15 @@ def run_resumable(store: ResultStore, key: str, items: Sequence[Any],
     ``policy``: its spec (name and options) is stored with the key, and a key stored with
     another spec is refused (a label reused with other options would mix two policies).
     """
-    check_spec(store, key, policy)
+    # as it reads back from the file, so a stored spec compares equal
+    spec = None if policy is None else json.loads(json.dumps(policy_spec(policy)))
+    store.check_spec(key, spec)
     done = store.examples(key)
     if store.is_complete(key) and all(it.uid in done for it in items):
         return store.results[key]
     extra = dict(extra or {})
-    if policy is not None:
-        extra["spec"] = policy_spec(policy)
+    if spec is not None:
+        extra["spec"] = spec
     todo = sorted((it for it in items if it.uid not in done), key=lambda it: -item_size(it))
     batches = [todo[i: i + batch_size] for i in range(0, len(todo), max(1, batch_size))]
     for batch in tqdm(batches, desc=key, disable=not progress, leave=False):
@@ -239,20 +241,6 @@ def run_resumable(store: ResultStore, key: str, items: Sequence[Any],
     final = {uid: r for uid, r in done.items() if uid in wanted}
     store.put(key, {**extra, **summarise(final)}, final, complete=True)
     return store.results[key]
-
-
-def check_spec(store: ResultStore, key: str, policy: Policy | None) -> None:
-    """EvalError if ``key`` is stored with another policy spec than ``policy``'s (records
-    written before specs were stored have none and are taken as they are)."""
-    stored = store.results.get(key, {}).get("spec")
-    if policy is None or stored is None:
-        return
-    spec = json.loads(json.dumps(policy_spec(policy)))  # as it reads back from the file
-    if stored != spec:
-        label = key.split("|")[2]
-        raise EvalError(f"{store.path} holds {key} scored with {stored['policy']} options "
-                        f"{stored['options']}, but this run's {label!r} is {spec['policy']} with "
-                        f"{spec['options']}: give it another label (LABEL=POLICY) or --out folder")
 
 
 def item_size(item: Any) -> int:

@@ -114,6 +114,17 @@ class ResultStore:
     def is_complete(self, key: str) -> bool:
         return bool(self.results.get(key, {}).get("complete"))
 
+    def check_spec(self, key: str, spec: dict[str, Any] | None) -> None:
+        """EvalError if ``key`` is stored with another policy spec than ``spec`` (records
+        written before specs were stored have none and are taken as they are)."""
+        stored = self.results.get(key, {}).get("spec")
+        if spec is None or stored is None or stored == spec:
+            return
+        label = split_key(key)["policy"]
+        raise EvalError(f"{self.path} holds {key} scored with {stored['policy']} options "
+                        f"{stored['options']}, but this run's {label!r} is {spec['policy']} with "
+                        f"{spec['options']}: give it another label (LABEL=POLICY) or --out folder")
+
     def examples(self, key: str) -> dict[str, Any]:
         """Per-example records already stored under ``key`` (a copy)."""
         return dict(self.results.get(key, {}).get("examples", {}))

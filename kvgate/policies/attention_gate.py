@@ -62,12 +62,10 @@ from kvgate.policies.base import (
     resolve_share,
     select_topk,
 )
-from kvgate.policies.h2o import H2O
-from kvgate.policies.registry import policy_options
-from kvgate.policies.snapkv import SnapKV
+from kvgate.policies.registry import get_policy
 
 # who chooses the entries inside the gate's counts: the gate itself, or a heuristic
-SELECTORS = {"gate": None, "h2o": H2O, "snapkv": SnapKV}
+SELECTORS = ("gate", "h2o", "snapkv")
 
 
 @dataclass
@@ -95,7 +93,7 @@ class AttentionGatePolicy(Policy):
         if self.tau is not None and (isinstance(self.tau, bool) or not isinstance(self.tau, (int, float))
                                      or not 0.0 < self.tau < 1.0):
             raise option_error(self.name, "tau", "must be a number in (0, 1)", self.tau)
-        check_choice(self.name, "select", self.select, tuple(SELECTORS))
+        check_choice(self.name, "select", self.select, SELECTORS)
         if self.select != "gate":
             if self.rank:
                 raise option_error(self.name, "select", "takes the gate's per-head counts; "
@@ -113,21 +111,19 @@ class AttentionGatePolicy(Policy):
 
     def _build_chooser(self) -> Policy | None:
         options = self.select_options
-        if options is None:
-            return None if self.select == "gate" else SELECTORS[self.select]()
         if self.select == "gate":
-            raise option_error(self.name, "select_options", "needs select=h2o or select=snapkv "
-                               "(the gate itself takes no selector options)", options)
-        if not isinstance(options, dict):
+            if options is not None:
+                raise option_error(self.name, "select_options", "needs select=h2o or "
+                                   "select=snapkv (the gate itself takes no selector options)",
+                                   options)
+            return None
+        if options is not None and not isinstance(options, dict):
             raise option_error(self.name, "select_options", "must be a mapping of the "
                                f"{self.select} options, e.g. {{\"recent\": 32}}", options)
-        cls = SELECTORS[self.select]
-        unknown = [key for key in options if key not in policy_options(cls)]
-        if unknown:
-            raise option_error(self.name, "select_options", f"{self.select} has no option "
-                               f"{unknown[0]!r}; its options: {', '.join(policy_options(cls))}",
-                               options)
-        return cls(**options)  # the heuristic checks its own values
+        try:  # the registry checks the option names, the heuristic their values
+            return get_policy(self.select, **(options or {}))
+        except PolicyError as exc:
+            raise option_error(self.name, "select_options", str(exc), options) from exc
 
     @property
     def budget_free(self) -> bool:  # a ranked gate is run at budgets, as the heuristics are

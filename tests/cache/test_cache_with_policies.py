@@ -320,8 +320,8 @@ def test_select_is_checked():
         get_policy("attention_gate", select="h2o", prefill="gated")
     with pytest.raises(PolicyError, match="select_options: needs select=h2o or select=snapkv"):
         get_policy("attention_gate", select_options={"recent": 4})
-    with pytest.raises(PolicyError, match="select_options: h2o has no option 'window'; its "
-                                          "options: recent, gqa"):
+    with pytest.raises(PolicyError, match="select_options: policy 'h2o' has no option 'window'; "
+                                          "its options: recent, gqa"):
         get_policy("attention_gate", select="h2o", select_options={"window": 4})
     with pytest.raises(PolicyError, match="select_options: must be a mapping"):
         get_policy("attention_gate", select="h2o", select_options=32)
