@@ -1,6 +1,7 @@
 """Embedded evaluation tasks, SFT splits and the CPT corpus (no network needed).
 
-- :func:`load_task`: 11 multiple-choice tasks as :class:`MCExample` (see :mod:`.tasks`).
+- :func:`load_task`: 11 multiple-choice tasks as :class:`MCExample` (see :mod:`.tasks`);
+  :func:`add_fewshot` puts solved examples before their contexts (see :mod:`.fewshot`).
 - :func:`load_sft_split`: deterministic train/test parts of each task (see :mod:`.splits`).
 - :func:`load_corpus`: leak-checked CPT text from non-evaluation sources (see :mod:`.corpus`);
   :func:`load_redpajama_sample` for the paper's RedPajama corpus from the Hub.
@@ -15,13 +16,14 @@ from kvgate.data.corpus import (
     load_text_files,
 )
 from kvgate.data.errors import DataError, HubUnavailableError
+from kvgate.data.fewshot import add_fewshot
 from kvgate.data.hub import hub_offline_reason
 from kvgate.data.redpajama import load_redpajama_sample, redpajama_sample_records
 from kvgate.data.splits import load_sft_split, split_bucket, split_examples
 from kvgate.data.tasks import TASKS, MCExample, embedded_splits, load_task
 
 __all__ = [
-    "TASKS", "DataError", "HubUnavailableError", "MCExample", "corpus_sources", "corpus_stats",
+    "TASKS", "DataError", "HubUnavailableError", "MCExample", "add_fewshot", "corpus_sources", "corpus_stats",
     "corpus_token_count", "embedded_splits", "filter_eval_overlap", "hub_offline_reason",
     "load_corpus", "load_redpajama_sample", "load_sft_split", "load_task", "load_text_files",
     "redpajama_sample_records", "split_bucket", "split_examples",

@@ -1,6 +1,6 @@
 """Evaluation harness: accuracy against eviction for every policy, long context, perplexity.
 
-- :mod:`.multiple_choice`: zero-shot multiple choice in ``masked`` or ``cache`` mode, fixed
+- :mod:`.multiple_choice`: zero- or k-shot multiple choice in ``masked`` or ``cache`` mode, fixed
   or matched budgets, %Evict as spec 12.3 (iv);
 - :mod:`.masked`: the masked-mode attention (keep decisions applied as masks, one forward);
 - :mod:`.needle`: passkey retrieval (length x depth) and perplexity under eviction;

@@ -67,6 +67,13 @@ def build_parser() -> argparse.ArgumentParser:
                              "part of the deterministic SFT cut (kvgate.data.load_sft_split)")
         sp.add_argument("--max-length", type=int, default=None,
                         help="cut contexts from the left to fit this many tokens")
+        sp.add_argument("--num-fewshot", type=int, default=0, metavar="K",
+                        help="solved examples before each context (kvgate.data.fewshot); "
+                             "results are stored under TASK@Kshot")
+        sp.add_argument("--fewshot-split", default=None,
+                        help="split the demonstrations come from (default: --split; the "
+                             "example itself is never drawn)")
+        sp.add_argument("--fewshot-seed", type=int, default=0)
         sp.add_argument("--mode", default="masked", choices=["masked", "cache"])
         sp.add_argument("--patterns", type=int, default=3,
                         help="eviction-pattern plots of the first N examples for the learned "
@@ -254,13 +261,28 @@ def check_gate(model: Any, policies: dict[str, Any]) -> None:
         raise EvalError("policy attention_gate needs a gated model: pass --checkpoint DIR")
 
 
-def load_tasks(args: argparse.Namespace, names: list[str]) -> dict[str, list[Any]]:
+def load_split(task: str, split: str, limit: int | None = None) -> list[Any]:
     from kvgate.data import load_sft_split, load_task
 
-    if args.split in ("sft_test", "sft_train"):
-        part = args.split.removeprefix("sft_")
-        return {t: load_sft_split(t, part)[: args.limit] for t in names}
-    return {t: load_task(t, split=args.split, limit=args.limit) for t in names}
+    if split in ("sft_test", "sft_train"):
+        return load_sft_split(task, split.removeprefix("sft_"))[:limit]
+    return load_task(task, split=split, limit=limit)
+
+
+def load_tasks(args: argparse.Namespace, names: list[str]) -> dict[str, list[Any]]:
+    """Examples of each task, with ``--num-fewshot`` demonstrations when asked, keyed by the
+    label their results are stored under."""
+    from kvgate.data.fewshot import add_fewshot, fewshot_label
+
+    k = getattr(args, "num_fewshot", 0)
+    out = {}
+    for task in names:
+        examples = load_split(task, args.split, args.limit)
+        if k:
+            pool = load_split(task, args.fewshot_split or args.split)
+            examples = add_fewshot(examples, pool, k, args.fewshot_seed)
+        out[fewshot_label(task, k)] = examples
+    return out
 
 
 def load_texts(args: argparse.Namespace) -> list[str]:
@@ -332,6 +354,10 @@ def run(args: argparse.Namespace) -> int:
     names = parse_tasks(args.tasks) if hasattr(args, "tasks") else []
     for attr in ("limit", "max_length", "samples", "docs", "max_new_tokens"):
         check_positive(getattr(args, attr, None), attr.replace("_", "-"))
+    if getattr(args, "num_fewshot", 0) < 0:
+        from kvgate.eval.masked import EvalError
+
+        raise EvalError(f"--num-fewshot must be >= 0, got {args.num_fewshot}")
     progress = not args.no_progress
     if args.command == "needle":
         lengths = parse_numbers(args.lengths, "lengths", int)

@@ -1,4 +1,6 @@
-"""Zero-shot multiple choice under KV eviction, in masked mode or over a compressed cache.
+"""Multiple choice under KV eviction, in masked mode or over a compressed cache.
+
+Prompts are zero-shot unless demonstrations were put before them (``kvgate.data.fewshot``).
 
 Scoring (lm-evaluation-harness style): each choice's score is the sum of its tokens'
 log-probabilities after the context; ``acc`` takes the best sum, ``acc_norm`` the best sum

@@ -40,6 +40,7 @@ def run(capsys, *argv):
     (["--policies", "full", "--policy-opt", "snapkv.window=4"], "not in --policies"),
     (["--policies", "snapkv", "--policy-opt", "snapkv.windw=4"], "has no option 'windw'"),
     (["--limit", "0"], "--limit must be >= 1"),
+    (["--num-fewshot", "-1"], "--num-fewshot must be >= 0"),
 ])
 def test_bad_arguments_fail_in_one_line_before_loading(capsys, no_model, tmp_path, args, message):
     code, _, err = run(capsys, "mc", "--model", "x", "--out", str(tmp_path), *args)
@@ -77,6 +78,21 @@ def test_mc_end_to_end_and_resume(capsys, tiny_cli, tmp_path):
     assert code == 0 and json.loads(before) == json.loads((tmp_path / "results.json").read_text())
     code, out3, _ = run(capsys, "report", "--out", str(tmp_path))
     assert code == 0 and "| copa | full | none | masked | 3 |" in out3
+
+
+def test_few_shot_prompts_are_scored_under_their_own_task_label(capsys, tiny_cli, tmp_path):
+    common = ["mc", "--model", "x", "--out", str(tmp_path), "--tasks", "copa",
+              "--policies", "full", "--limit", "3", "--no-progress"]
+    assert run(capsys, *common)[0] == 0
+    code, out, _ = run(capsys, *common, "--num-fewshot", "2")
+    assert code == 0 and "| copa@2shot | full | none | masked | 3 |" in out
+    results = json.loads((tmp_path / "results.json").read_text())["results"]
+    zero, two = (results[f"mc|{t}|full|none|masked"]["examples"] for t in ("copa", "copa@2shot"))
+    assert zero.keys() == two.keys()
+    # two solved examples and two blank lines more context, in characters (CharTokenizer)
+    assert all(two[u]["n_ctx"] > zero[u]["n_ctx"] + 20 for u in zero)
+    code, _, err = run(capsys, *common, "--num-fewshot", "2", "--fewshot-split", "test")
+    assert code == 2 and err.count("\n") == 1 and "copa: split 'test' does not ship" in err
 
 
 def test_a_label_reused_with_other_options_is_refused(capsys, tiny_cli, tmp_path):
