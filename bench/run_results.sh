@@ -313,13 +313,14 @@ case "${1:-all}" in
       --rounding nearest
     python bench/summarize_mc.py "$out" "$@" results/mc_headroom_a results/mc_short_full \
       --paired gate_h2o_r3 --any-mode --merge ;;
-  mcfewshot) # K LIMIT [TASKS]: abl_mc_tasks' gate on K-shot prompts (kvgate.data.fewshot), the
-    # first LIMIT examples of each task; then H2O with the gate's 3-token window, default H2O,
-    # SnapKV and the full cache at its per-example eviction, task by task, into
-    # results/mc_tasks_Kshot_nLIMIT (two of these side by side may split the tasks between
-    # them: they share the folder)
-    k=$2; limit=$3; tasks=${4:-$TASKS7}; out=results/mc_tasks_${k}shot_n$limit
-    python -m kvgate.eval matched --checkpoint runs/abl_mc_tasks/gated --tasks "$tasks" \
+  mcfewshot) # NAME K LIMIT [TASKS]: the MC gate of runs/NAME on K-shot prompts
+    # (kvgate.data.fewshot), the first LIMIT examples of each task; then H2O with the gate's
+    # 3-token window, default H2O, SnapKV and the full cache at its per-example eviction, task
+    # by task, into results/mc_<NAME without abl_>_Kshot_nLIMIT (two of these side by side may
+    # split the tasks between them: they share the folder)
+    name=$2; k=$3; limit=$4; tasks=${5:-$TASKS7}
+    out=results/mc_${name#abl_mc_}_${k}shot_n$limit
+    python -m kvgate.eval matched --checkpoint "runs/$name/gated" --tasks "$tasks" \
       --limit "$limit" --num-fewshot "$k" --no-progress --mode masked --patterns 0 \
       --policies h2o_r3=h2o,h2o,snapkv,full --policy-opt h2o_r3.recent=3 --out "$out"
     python bench/summarize_mc.py "$out" --paired attention_gate ;;
@@ -452,5 +453,5 @@ case "${1:-all}" in
     python -m kvgate.eval mc "${mc[@]}" --budgets 0.3 --out results/mc_headroom_c
     python bench/summarize_mc.py results/mc_headroom_a results/mc_headroom_b \
       results/mc_headroom_c results/mc_headroom_r3 results/mc_short_full --paired full --any-mode ;;
-  *) echo "usage: $0 base|cpt|sft|gate CKPT OUT|sfteval|ppl CKPT OUT BUDGETS|ablation|pplctx CTX CONT WINDOWS OUT GATE...|needle|mcshort|mctasks|mctasksall|mctaskslora|mctasksseed1|mctasksbidir|mctasksb22|mctasksranked|mcselect NAME OUT HEUR...|mcfewshot K LIMIT [TASKS]|pplseed SEED|ctx256seed SEED|curve256 PART|ctx256b25 SEED|ctx256b15 SEED|ctx256b05 SEED|ctx256band32 SEED|curve256b25 SEED...|curve256b15 SEED...|curve256band32 SEED...|curve256band32low SEED...|curve256band32mid SEED...|ctx1024band64 SEED|ctx1024band64more SEED|select CONTEXT SELECTOR[:TAU] NAME...|ranked CONTEXT NAME...|h2or32|headroom" >&2; exit 2 ;;
+  *) echo "usage: $0 base|cpt|sft|gate CKPT OUT|sfteval|ppl CKPT OUT BUDGETS|ablation|pplctx CTX CONT WINDOWS OUT GATE...|needle|mcshort|mctasks|mctasksall|mctaskslora|mctasksseed1|mctasksbidir|mctasksb22|mctasksranked|mcselect NAME OUT HEUR...|mcfewshot NAME K LIMIT [TASKS]|pplseed SEED|ctx256seed SEED|curve256 PART|ctx256b25 SEED|ctx256b15 SEED|ctx256b05 SEED|ctx256band32 SEED|curve256b25 SEED...|curve256b15 SEED...|curve256band32 SEED...|curve256band32low SEED...|curve256band32mid SEED...|ctx1024band64 SEED|ctx1024band64more SEED|select CONTEXT SELECTOR[:TAU] NAME...|ranked CONTEXT NAME...|h2or32|headroom" >&2; exit 2 ;;
 esac
