@@ -298,6 +298,10 @@ case "${1:-all}" in
   mctasksb22) # abl_mc_tasks aimed at ~68% eviction, where the heuristics lose more (needs `cpt`)
     python train.py "${MC_TASKS[@]}" --config configs/ablation/mc_tasks_b22.yaml
     matched_split runs/abl_mc_tasks_b22/gated results/mc_tasks_b22 h2o,tova ;;
+  mctasks3shot) # abl_mc_tasks trained on 3-shot prompts (MMLU out), then scored as `mcfewshot`
+    # scores the zero-shot gates: 3-shot, 200 per task (needs `cpt`)
+    python train.py "${MC_TASKS[@]}" --config configs/ablation/mc_tasks_3shot.yaml
+    bash "$0" mcfewshot abl_mc_tasks_3shot 3 200 ;;
   mcselect) # NAME OUT HEUR...: the MC gate of runs/NAME as trained and with select=h2o (its
     # counts per example, layer and KV head; H2O's choice inside them), at H2O's default recent
     # half and with H2O's recent window set to the gate's own 3-token band (_r3), on the 7
@@ -453,5 +457,5 @@ case "${1:-all}" in
     python -m kvgate.eval mc "${mc[@]}" --budgets 0.3 --out results/mc_headroom_c
     python bench/summarize_mc.py results/mc_headroom_a results/mc_headroom_b \
       results/mc_headroom_c results/mc_headroom_r3 results/mc_short_full --paired full --any-mode ;;
-  *) echo "usage: $0 base|cpt|sft|gate CKPT OUT|sfteval|ppl CKPT OUT BUDGETS|ablation|pplctx CTX CONT WINDOWS OUT GATE...|needle|mcshort|mctasks|mctasksall|mctaskslora|mctasksseed1|mctasksbidir|mctasksb22|mctasksranked|mcselect NAME OUT HEUR...|mcfewshot NAME K LIMIT [TASKS]|pplseed SEED|ctx256seed SEED|curve256 PART|ctx256b25 SEED|ctx256b15 SEED|ctx256b05 SEED|ctx256band32 SEED|curve256b25 SEED...|curve256b15 SEED...|curve256band32 SEED...|curve256band32low SEED...|curve256band32mid SEED...|ctx1024band64 SEED|ctx1024band64more SEED|select CONTEXT SELECTOR[:TAU] NAME...|ranked CONTEXT NAME...|h2or32|headroom" >&2; exit 2 ;;
+  *) echo "usage: $0 base|cpt|sft|gate CKPT OUT|sfteval|ppl CKPT OUT BUDGETS|ablation|pplctx CTX CONT WINDOWS OUT GATE...|needle|mcshort|mctasks|mctasksall|mctaskslora|mctasksseed1|mctasksbidir|mctasksb22|mctasks3shot|mctasksranked|mcselect NAME OUT HEUR...|mcfewshot NAME K LIMIT [TASKS]|pplseed SEED|ctx256seed SEED|curve256 PART|ctx256b25 SEED|ctx256b15 SEED|ctx256b05 SEED|ctx256band32 SEED|curve256b25 SEED...|curve256b15 SEED...|curve256band32 SEED...|curve256band32low SEED...|curve256band32mid SEED...|ctx1024band64 SEED|ctx1024band64more SEED|select CONTEXT SELECTOR[:TAU] NAME...|ranked CONTEXT NAME...|h2or32|headroom" >&2; exit 2 ;;
 esac

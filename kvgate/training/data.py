@@ -415,7 +415,8 @@ class SFTDataModule(KVGateDataModule):
                  source: Literal["embedded", "hub"] = "embedded", test_fraction: float = 0.3,
                  split_seed: int = 0, answers: Literal["gold", "all"] = "gold",
                  batch_size: int = 4, val_batch_size: int | None = None,
-                 seed: int = 0, num_workers: int = 0) -> None:
+                 seed: int = 0, num_workers: int = 0, num_fewshot: int = 0,
+                 fewshot_seed: int = 0) -> None:
         """
         Args:
             task: a multiple-choice task (``kvgate.data.TASKS``), or a list of them to train on
@@ -429,6 +430,10 @@ class SFTDataModule(KVGateDataModule):
             source: ``embedded`` (the shipped validation split cut into train/test, see
                 ``kvgate.data.splits``) or ``hub`` (the real train/validation splits).
             test_fraction / split_seed: how the embedded split is cut (ignored for ``hub``).
+            num_fewshot / fewshot_seed: solved examples before each prompt
+                (``kvgate.data.fewshot``, as ``python -m kvgate.eval mc --num-fewshot``), drawn
+                from the task's train part for both parts, so a gate meets at training the
+                prompt lengths a k-shot evaluation gives it; ``max_len`` must leave room.
         """
         super().__init__(batch_size, val_batch_size, seed, num_workers)
         self.tasks = sft_tasks(task)
@@ -444,6 +449,11 @@ class SFTDataModule(KVGateDataModule):
                 f"data.test_fraction: must lie strictly in (0, 1) (got {test_fraction!r})")
         if answers not in ("gold", "all"):
             raise TrainingConfigError(f"data.answers: must be gold or all (got {answers!r})")
+        if isinstance(num_fewshot, bool) or not isinstance(num_fewshot, int) or num_fewshot < 0:
+            raise TrainingConfigError(
+                f"data.num_fewshot: must be an integer >= 0 (got {num_fewshot!r})")
+        self.num_fewshot = num_fewshot
+        self.fewshot_seed = fewshot_seed
         self.answers = answers
         self.source = source
         self.test_fraction = test_fraction
@@ -454,12 +464,19 @@ class SFTDataModule(KVGateDataModule):
 
     def examples(self, part: Literal["train", "test"], limit: int | None):
         from kvgate.data import load_sft_split
+        from kvgate.data.fewshot import add_fewshot
 
+        cut = {"test_fraction": self.test_fraction, "seed": self.split_seed, "source": self.source}
         per_task = []
         for task in self.tasks:
-            part_examples = load_sft_split(task, part=part, test_fraction=self.test_fraction,
-                                           seed=self.split_seed, source=self.source)
-            per_task.append(part_examples[:limit] if limit else part_examples)
+            part_examples = load_sft_split(task, part=part, **cut)
+            part_examples = part_examples[:limit] if limit else part_examples
+            if self.num_fewshot:
+                # demonstrations only ever come from the train part: the test part's answers
+                # stay unseen, and a train example never demonstrates itself
+                part_examples = add_fewshot(part_examples, load_sft_split(task, "train", **cut),
+                                            self.num_fewshot, self.fewshot_seed)
+            per_task.append(part_examples)
         if part == "train":  # the sampler shuffles it
             return [ex for examples in per_task for ex in examples]
         # validation is read in order and often cut short (trainer.limit_val_batches):

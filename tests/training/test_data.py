@@ -201,3 +201,37 @@ def test_sft_config_errors_name_the_key():
 def test_no_tokenizer_is_a_clear_error():
     with pytest.raises(TrainingConfigError, match="tokenizer"):
         SyntheticCPT().train_dataloader()
+
+
+def test_sft_fewshot_prompts_take_demonstrations_from_the_train_part_only(tok):
+    from kvgate.data import load_sft_split
+
+    plain = SFTDataModule(task="copa", limit_train=6, limit_val=4)
+    shots = SFTDataModule(task="copa", limit_train=6, limit_val=4, num_fewshot=2)
+    train_pool = load_sft_split("copa", "train")
+    solved = {ex.context + ex.choices[ex.gold] for ex in train_pool}
+    for part, limit in (("train", 6), ("test", 4)):
+        zero, two = plain.examples(part, limit), shots.examples(part, limit)
+        assert [e.uid for e in zero] == [e.uid for e in two]
+        for z, t in zip(zero, two):
+            # the example's own context ends the prompt; its choices and gold are untouched
+            assert t.context.endswith("\n\n" + z.context)
+            assert (t.choices, t.gold) == (z.choices, z.gold)
+            demos = t.context[: -len(z.context)].split("\n\n")[:-1]
+            assert len(demos) == 2 and all(d in solved for d in demos)
+            assert z.context + z.choices[z.gold] not in demos  # never its own answer
+    # the same draw every time it is built
+    assert [e.context for e in shots.examples("train", 6)] == [
+        e.context for e in SFTDataModule(task="copa", limit_train=6, num_fewshot=2)
+        .examples("train", 6)]
+    shots.tokenizer = tok
+    rows = list(shots.build_train(tok))
+    zero_rows = list(plain.build_train(tok))
+    assert all(len(r[0]) > len(z[0]) for r, z in zip(rows, zero_rows))
+
+
+def test_sft_fewshot_config_error_names_the_key():
+    with pytest.raises(TrainingConfigError, match="data.num_fewshot"):
+        SFTDataModule(num_fewshot=-1)
+    with pytest.raises(TrainingConfigError, match="data.num_fewshot"):
+        SFTDataModule(num_fewshot=1.5)
