@@ -30,19 +30,25 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from kvgate.eval.multiple_choice import best_choice
 
 
-def correct(example: dict) -> float:
-    """1 when the gold choice has the highest log-likelihood (the harness's acc)."""
-    return float(best_choice(example["ll"]) == example["gold"])
+def correct(example: dict, metric: str = "acc") -> float:
+    """1 when the gold choice has the highest log-likelihood (the harness's acc), or the
+    highest per character of the choice (acc_norm)."""
+    scores = example["ll"]
+    if metric == "acc_norm":
+        scores = [x / max(c, 1) for x, c in zip(scores, example["chars"])]
+    return float(best_choice(scores) == example["gold"])
 
 
-def paired_gap(ref: list[dict], other: list[dict]) -> tuple[float, float, int]:
-    """Task-weighted mean of acc(ref) - acc(other) over shared examples, its 95% half-width
-    (normal approximation, tasks independent) and the number of shared examples."""
+def paired_gap(ref: list[dict], other: list[dict],
+               metric: str = "acc") -> tuple[float, float, int]:
+    """Task-weighted mean of metric(ref) - metric(other) over shared examples, its 95%
+    half-width (normal approximation, tasks independent) and the number of shared examples."""
     by_task = {r["task"]: r["examples"] for r in other}
     means, variances, shared = [], [], 0
     for r in ref:
         theirs = by_task.get(r["task"], {})
-        diffs = [correct(ex) - correct(theirs[uid]) for uid, ex in r["examples"].items()
+        diffs = [correct(ex, metric) - correct(theirs[uid], metric)
+                 for uid, ex in r["examples"].items()
                  if uid in theirs]
         if not diffs:
             continue
@@ -69,6 +75,8 @@ def main() -> None:
     ap.add_argument("--merge", action="store_true",
                     help="pool the folders (one run split over folders by task): a row per "
                          "policy over all their tasks; a task in two folders counts once")
+    ap.add_argument("--metric", choices=("acc", "acc_norm"), default="acc",
+                    help="what the paired gap compares (the table shows both)")
     args = ap.parse_args()
     if args.merge and ":" in (args.paired or ""):
         ap.error("--merge pools the folders, so --paired cannot name one")
@@ -98,7 +106,8 @@ def main() -> None:
         if is_reference(key):
             pooled = paired.setdefault(pair_key(key), [])
             pooled += [r for r in recs if all(p["task"] != r["task"] for p in pooled)]
-    extra = " gap vs paired, 95% CI (shared examples) |" if args.paired else ""
+    extra = (f" {args.metric} gap vs paired, 95% CI (shared examples) |" if args.paired
+             else "")
     print("| results | kind | policy | budget | mode | tasks | examples | acc % | acc_norm % | "
           "%Evict |" + extra)
     print("|---|---|---|---|---|---|---|---|---|---|" + ("---|" if args.paired else ""))
@@ -114,7 +123,7 @@ def main() -> None:
             if ref is None or is_reference(key):
                 cell = " |"
             else:
-                gap, half, n = paired_gap(ref, recs)
+                gap, half, n = paired_gap(ref, recs, args.metric)
                 cell = f" {gap:+.2f} [{gap - half:+.2f}, {gap + half:+.2f}] (n={n}) |"
         print(f"| {' | '.join(key)} | {len(recs)} | {sum(r['n'] for r in recs)} | "
               f"{acc:.2f} | {norm:.2f} | {evict:.2f} |" + cell)

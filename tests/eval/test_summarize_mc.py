@@ -118,3 +118,31 @@ def test_folder_list_pairs_with_a_gate_split_over_folders(tmp_path, monkeypatch,
     gaps = {cells[1].strip(): cells[-2].strip() for cells in rows}
     assert gaps["a"] == "" and gaps["b"] == ""
     assert gaps["c"].startswith("+75.00") and gaps["c"].endswith("(n=8)")  # (50 + 100) / 2
+
+
+def test_metric_acc_norm_pairs_on_the_per_character_winner(tmp_path, monkeypatch, capsys):
+    # two examples, gold 0: by sum the gate wins both and the full cache neither; per
+    # character (choice 1 is 4x longer) the order flips on the first example only
+    def rec(policy, lls):
+        examples = {f"rte:{i}": {"task": "rte", "gold": 0, "ll": ll, "chars": [1, 4]}
+                    for i, ll in enumerate(lls)}
+        return {"kind": "mc", "task": "rte", "policy": policy, "budget": "none",
+                "mode": "masked", "n": 2, "acc": 0.0, "acc_norm": 0.0, "evict_pct": 0.0,
+                "complete": True, "examples": examples}
+    recs = {"g": rec("attention_gate", [[-3.0, -3.5], [-1.0, -8.0]]),
+            "f": rec("full", [[-3.0, -2.0], [-9.0, -8.0]])}
+    out = tmp_path / "r"
+    out.mkdir()
+    (out / "results.json").write_text(json.dumps({"meta": {}, "results": recs}))
+    gaps = {}
+    for metric in ("acc", "acc_norm"):
+        monkeypatch.setattr(sys, "argv", ["summarize_mc.py", str(out), "--paired",
+                                          "attention_gate", "--metric", metric])
+        summarize_mc.main()
+        lines = capsys.readouterr().out.splitlines()
+        assert f"{metric} gap vs paired" in lines[0]
+        gaps[metric] = next(line for line in lines if "| full |" in line).split("|")[-2]
+    # acc: gate 2/2, full 0/2. acc_norm: gate -3 vs -0.875 (miss), -1 vs -2 (hit);
+    # full -3 vs -0.5 (miss), -9 vs -2 (miss): gate 1/2, full 0/2
+    assert gaps["acc"].strip().startswith("+100.00")
+    assert gaps["acc_norm"].strip().startswith("+50.00")
