@@ -27,16 +27,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kvgate.eval.multiple_choice import best_choice
-
-
-def correct(example: dict, metric: str = "acc") -> float:
-    """1 when the gold choice has the highest log-likelihood (the harness's acc), or the
-    highest per character of the choice (acc_norm)."""
-    scores = example["ll"]
-    if metric == "acc_norm":
-        scores = [x / max(c, 1) for x, c in zip(scores, example["chars"])]
-    return float(best_choice(scores) == example["gold"])
+from kvgate.eval.multiple_choice import is_correct
 
 
 def paired_gap(ref: list[dict], other: list[dict],
@@ -47,7 +38,7 @@ def paired_gap(ref: list[dict], other: list[dict],
     means, variances, shared = [], [], 0
     for r in ref:
         theirs = by_task.get(r["task"], {})
-        diffs = [correct(ex, metric) - correct(theirs[uid], metric)
+        diffs = [float(is_correct(ex, metric)) - float(is_correct(theirs[uid], metric))
                  for uid, ex in r["examples"].items()
                  if uid in theirs]
         if not diffs:

@@ -189,15 +189,22 @@ def best_choice(scores: Sequence[float]) -> int:
     return max(range(len(scores)), key=scores.__getitem__)
 
 
+def is_correct(record: Mapping[str, Any], metric: str = "acc") -> bool:
+    """Whether a stored example's gold choice wins: by log-likelihood sum (``acc``) or by
+    log-likelihood per character of the choice (``acc_norm``)."""
+    scores = record["ll"]
+    if metric == "acc_norm":
+        scores = [x / max(c, 1) for x, c in zip(scores, record["chars"])]
+    return best_choice(scores) == record["gold"]
+
+
 def mc_summary(records: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
     """acc / acc_norm (in %) and %Evict over the stored examples."""
     n = len(records)
     hits = hits_norm = 0
     for r in records.values():
-        ll = r["ll"]
-        norm = [x / max(c, 1) for x, c in zip(ll, r["chars"])]
-        hits += int(best_choice(ll) == r["gold"])
-        hits_norm += int(best_choice(norm) == r["gold"])
+        hits += int(is_correct(r))
+        hits_norm += int(is_correct(r, "acc_norm"))
     acc = 100.0 * hits / n if n else math.nan
     acc_norm = 100.0 * hits_norm / n if n else math.nan
     return {"n": n, "acc": acc, "acc_norm": acc_norm, **evict_summary(records)}

@@ -469,13 +469,14 @@ class SFTDataModule(KVGateDataModule):
         cut = {"test_fraction": self.test_fraction, "seed": self.split_seed, "source": self.source}
         per_task = []
         for task in self.tasks:
-            part_examples = load_sft_split(task, part=part, **cut)
-            part_examples = part_examples[:limit] if limit else part_examples
+            whole = load_sft_split(task, part=part, **cut)
+            part_examples = whole[:limit] if limit else whole
             if self.num_fewshot:
                 # demonstrations only ever come from the train part: the test part's answers
                 # stay unseen, and a train example never demonstrates itself
-                part_examples = add_fewshot(part_examples, load_sft_split(task, "train", **cut),
-                                            self.num_fewshot, self.fewshot_seed)
+                pool = whole if part == "train" else load_sft_split(task, "train", **cut)
+                part_examples = add_fewshot(part_examples, pool, self.num_fewshot,
+                                            self.fewshot_seed)
             per_task.append(part_examples)
         if part == "train":  # the sampler shuffles it
             return [ex for examples in per_task for ex in examples]
