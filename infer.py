@@ -1,150 +1,20 @@
 """Generate with a KV-cache eviction policy and print what the cache held.
 
-Examples:
     python infer.py --model smollm2-135m --policy snapkv --budget 0.5 --prompt "Hello"
-    python infer.py --model smollm2-135m --policy h2o --budget 128 --policy-opt recent=32 \\
-        --prompt-file prompts.txt --max-new-tokens 64
     python infer.py --checkpoint runs/cpt_demo/gated --policy attention_gate --prompt "..."
 
-``--budget`` is a ratio of each prompt's real length (0.5 keeps half the entries of every KV
-head) or, as an integer > 1, a token count. ``--prompt-file`` holds one prompt per line.
-Errors in the arguments, the policy, the budget or the checkpoint print one line and exit 2.
+The same as ``kvgate infer ...`` (``kvgate/cli/infer.py``; ``python infer.py --help`` lists
+the options). Errors in the arguments, the policy, the budget or the checkpoint print one
+line and exit 2.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import sys
-from pathlib import Path
-from typing import Any
 
+from kvgate.cli.infer import build_parser, main, run
 
-class CliError(ValueError):
-    """A bad command line that argparse cannot catch (files, option values)."""
-
-
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="infer.py", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--model", help="base model: alias (smollm2-135m), local folder, .gguf, "
-                                     "or hub id")
-    src.add_argument("--checkpoint", help="exported gated checkpoint folder")
-    p.add_argument("--policy", default=None,
-                   help="eviction policy name (default: attention_gate with --checkpoint, "
-                        "else full)")
-    p.add_argument("--budget", default="1.0",
-                   help="kept entries per KV head: ratio in (0, 1] or tokens > 1 (default 1.0)")
-    p.add_argument("--decode-budget", default=None,
-                   help="capacity while decoding (decode-evicting policies); default: the "
-                        "per-head count after the prefill")
-    p.add_argument("--policy-opt", action="append", default=[], metavar="KEY=VALUE",
-                   help="policy option (repeatable); VALUE is parsed as JSON when it can be")
-    prompt = p.add_mutually_exclusive_group(required=True)
-    prompt.add_argument("--prompt", action="append", help="a prompt (repeatable: a batch)")
-    prompt.add_argument("--prompt-file", help="file with one prompt per line")
-    p.add_argument("--max-new-tokens", type=int, default=32)
-    p.add_argument("--sample", action="store_true", help="sample instead of greedy decoding")
-    p.add_argument("--temperature", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16")
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--attn", default="sdpa", choices=["sdpa", "flash"],
-                   help="'flash': fused attention only (refuses policies that need scores)")
-    p.add_argument("--json", action="store_true", help="print the result as JSON")
-    p.add_argument("--debug", action="store_true", help="show tracebacks")
-    return p
-
-
-def parse_policy_options(items: list[str]) -> dict[str, Any]:
-    """``["window=32", "pooling=max"]`` -> ``{"window": 32, "pooling": "max"}``."""
-    options: dict[str, Any] = {}
-    for item in items:
-        key, sep, raw = item.partition("=")
-        if not sep or not key.strip():
-            raise CliError(f"--policy-opt {item!r}: expected KEY=VALUE")
-        try:
-            value = json.loads(raw)
-        except json.JSONDecodeError:
-            value = raw
-        options[key.strip()] = value
-    return options
-
-
-def _parse_decode_budget(raw: str | None) -> float | int | None:
-    if raw is None:
-        return None
-    try:
-        return int(raw) if raw.strip().lstrip("-").isdigit() else float(raw)
-    except ValueError:
-        raise CliError(f"--decode-budget {raw!r} is neither a ratio nor a token count") from None
-
-
-def _read_prompts(args: argparse.Namespace) -> list[str]:
-    if args.prompt is not None:
-        prompts = args.prompt
-    else:
-        path = Path(args.prompt_file)
-        if not path.is_file():
-            raise CliError(f"--prompt-file {path}: no such file")
-        prompts = [line for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
-    if not prompts or any(not p.strip() for p in prompts):
-        raise CliError("empty prompt")
-    return prompts
-
-
-def _load(args: argparse.Namespace):
-    if args.checkpoint is not None:
-        try:
-            from kvgate.checkpoint import load_gated
-        except ImportError as exc:
-            raise CliError(f"--checkpoint needs kvgate.checkpoint.load_gated ({exc})") from None
-        model, tokenizer, _ = load_gated(args.checkpoint, dtype=args.dtype, device=args.device)
-        return model, tokenizer
-    from kvgate.models import load_base
-
-    return load_base(args.model, dtype=args.dtype, device=args.device)
-
-
-def run(args: argparse.Namespace) -> int:
-    from kvgate.inference import Engine
-    from kvgate.policies import get_policy
-    from kvgate.policies.base import Budget, PolicyError
-
-    # everything that can be checked without the model is checked first (fast errors)
-    budget = Budget.parse(args.budget)
-    decode_budget = _parse_decode_budget(args.decode_budget)
-    name = args.policy or ("attention_gate" if args.checkpoint else "full")
-    policy = get_policy(name, **parse_policy_options(args.policy_opt))
-    if policy.needs_attention and args.attn == "flash":
-        raise PolicyError(f"policy {policy.name!r} needs attention scores, which the 'flash' "
-                          "backend cannot give; use --attn sdpa")
-    if args.max_new_tokens < 1:
-        raise CliError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
-    prompts = _read_prompts(args)
-    model, tokenizer = _load(args)
-    engine = Engine(model, tokenizer, policy, budget, decode_budget=decode_budget, attn=args.attn)
-    result = engine.generate(prompts, max_new_tokens=args.max_new_tokens, greedy=not args.sample,
-                             temperature=args.temperature, seed=args.seed)
-    if args.json:
-        print(json.dumps({"texts": result.texts, "token_ids": result.token_ids,
-                          "stats": result.stats.as_dict()}, indent=2))
-        return 0
-    for i, (prompt, text) in enumerate(zip(prompts, result.texts)):
-        if len(prompts) > 1:
-            print(f"--- [{i}] {prompt}")
-        print(text)
-    print()
-    print(result.stats.table())
-    return 0
-
-
-def main(argv: list[str] | None = None) -> int:
-    from kvgate.cli import run_cli
-
-    return run_cli(run, build_parser().parse_args(argv), extra=(CliError,))
-
+__all__ = ["build_parser", "main", "run"]
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -10,7 +10,11 @@ A gated checkpoint is a folder::
     tokenizer/           the tokenizer, so loading needs nothing but the base weights
 
 Only safetensors and JSON: nothing is unpickled. The folder is written in a temporary sibling
-and renamed into place, so a failed export leaves no half-written checkpoint behind.
+``.NAME.tmp-PID@HOST-XXXX`` and renamed into place, so a failed export leaves no half-written
+checkpoint behind. A killed export cannot clean up after itself: the next export into the same
+folder removes the temporaries whose process is gone (same host, pid not running; those of an
+older kvgate, with no pid in the name, once untouched for a day). An OS error while writing
+(no space, no permission, a file where a folder should be) is a ``CheckpointError`` naming OUT.
 
 This module never imports the training package: inference depends on it alone.
 """
@@ -20,14 +24,20 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
+import socket
 import tempfile
+import time
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
+
+from kvgate.errors import KVGateError
+from kvgate.models.load import check_device
 
 FORMAT = "kvgate-gated"
 FORMAT_VERSION = 1
@@ -38,13 +48,14 @@ MERGED_DIR = "merged"
 TOKENIZER_DIR = "tokenizer"
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(KVGateError, RuntimeError):
     """A gated checkpoint is missing, damaged, of an unknown version, or does not fit the base
     model it is loaded onto; the message names the file or field."""
 
 
 # ----------------------------------------------------------------------------- helpers
-def _sha256(path: Path) -> str:
+def sha256_file(path: str | os.PathLike) -> str:
+    """Hex sha256 of a file, read in 1 MiB chunks."""
     digest = hashlib.sha256()
     with open(path, "rb") as f:
         for chunk in iter(lambda: f.read(1 << 20), b""):
@@ -58,7 +69,7 @@ def _inventory(root: Path) -> dict[str, dict[str, Any]]:
     for path in sorted(p for p in root.rglob("*") if p.is_file()):
         rel = path.relative_to(root).as_posix()
         if rel != CONFIG_NAME:
-            files[rel] = {"bytes": path.stat().st_size, "sha256": _sha256(path)}
+            files[rel] = {"bytes": path.stat().st_size, "sha256": sha256_file(path)}
     return files
 
 
@@ -108,7 +119,7 @@ def export_gated(model: nn.Module, out: str | os.PathLike, *, base_model: str, f
                  merge: bool = False, overwrite: bool = False) -> Path:
     """Write ``model``'s gates (+ LoRA adapter, or the merged base with ``merge``) to ``out``.
 
-    ``model``: a patched (and/or peft-wrapped) LLaMA/Mistral model. ``gate_config``: the
+    ``model``: a patched (and/or peft-wrapped) LLaMA, Mistral or Qwen model. ``gate_config``: the
     ``GateConfig`` the gates were built with (None when not gated). Returns ``out``.
     Raises ``CheckpointError`` when ``out`` exists and ``overwrite`` is False.
     """
@@ -117,8 +128,12 @@ def export_gated(model: nn.Module, out: str | os.PathLike, *, base_model: str, f
     out = Path(out)
     if out.exists() and not overwrite:
         raise CheckpointError(f"{out}: already exists (pass overwrite=True / --overwrite)")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        remove_stale_temporaries(out)
+        tmp = Path(tempfile.mkdtemp(prefix=f"{_temp_prefix(out)}{_owner()}-", dir=out.parent))
+    except OSError as err:
+        raise CheckpointError(f"{out}: cannot write the export ({_os_reason(err)})") from None
     try:
         gates = gate_state(model)
         if gates:
@@ -149,17 +164,90 @@ def export_gated(model: nn.Module, out: str | os.PathLike, *, base_model: str, f
         with open(tmp / CONFIG_NAME, "w", encoding="utf-8") as f:
             json.dump(meta, f, indent=2, sort_keys=True, default=str)
         _replace(tmp, out)
+    except OSError as err:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise CheckpointError(f"{out}: cannot write the export ({_os_reason(err)})") from None
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out
 
 
+def _os_reason(err: OSError) -> str:
+    name = getattr(err, "filename", None)
+    if isinstance(err, FileExistsError) and name and not Path(name).is_dir():
+        return f"{name} is a file, not a folder"
+    where = f": {name}" if name else ""
+    return f"{err.strerror or str(err).splitlines()[0]}{where}"
+
+
+def _owner() -> str:
+    return f"{os.getpid()}@{socket.gethostname()}"
+
+
+def _temp_prefix(out: Path) -> str:
+    return f".{out.name}.tmp-"
+
+
+_OWNED = re.compile(r"(?P<pid>\d+)@(?P<host>.+)-[^-]*$")  # PID@HOST-XXXX (mkdtemp's tail)
+STALE_UNOWNED_S = 86400.0  # a temporary without owner untouched this long is a dead one
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _newest_mtime(folder: Path) -> float:
+    times = [folder.lstat().st_mtime]
+    for path in folder.rglob("*"):
+        try:
+            times.append(path.lstat().st_mtime)
+        except OSError:
+            pass
+    return max(times)
+
+
+def _is_stale(folder: Path, tail: str, now: float) -> bool:
+    match = _OWNED.match(tail)
+    if match is None:  # an older kvgate's temporary: judged by its last write
+        return now - _newest_mtime(folder) > STALE_UNOWNED_S
+    pid, host = int(match["pid"]), match["host"]
+    if host != socket.gethostname():
+        return False  # another machine's export (a shared disk): cannot tell, keep it
+    return pid != os.getpid() and not _pid_alive(pid)
+
+
+def remove_stale_temporaries(out: str | os.PathLike) -> list[Path]:
+    """Remove the temporary folders (``.NAME.tmp-*``, ``.NAME.old-*``) that an export into
+    ``out`` killed before it finished left beside it; a live export's are kept. Returns the
+    folders removed."""
+    out = Path(out)
+    removed = []
+    if not out.parent.is_dir():
+        return removed
+    now = time.time()
+    for kind in (".tmp-", ".old-"):
+        prefix = f".{out.name}{kind}"
+        for folder in out.parent.iterdir():
+            if folder.name.startswith(prefix) and folder.is_dir() and not folder.is_symlink() \
+                    and _is_stale(folder, folder.name[len(prefix):], now):
+                shutil.rmtree(folder, ignore_errors=True)
+                removed.append(folder)
+    return removed
+
+
 def _replace(tmp: Path, out: Path) -> None:
     """Move the finished ``tmp`` folder to ``out``; an old ``out`` survives until then."""
     old = None
     if out.exists():
-        old = out.with_name(f".{out.name}.old-{os.getpid()}")
+        old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-{_owner()}-", dir=out.parent))
+        old.rmdir()
         out.rename(old)
     try:
         tmp.rename(out)
@@ -204,7 +292,7 @@ def read_meta(path: str | os.PathLike, verify: bool = True) -> dict[str, Any]:
             if size != info.get("bytes"):
                 raise CheckpointError(
                     f"{file}: truncated or corrupt ({size} bytes, expected {info.get('bytes')})")
-            if _sha256(file) != info.get("sha256"):
+            if sha256_file(file) != info.get("sha256"):
                 raise CheckpointError(f"{file}: corrupt (sha256 does not match {CONFIG_NAME})")
     return meta
 
@@ -290,6 +378,7 @@ def load_gated(path: str | os.PathLike, base: Any = None, dtype: torch.dtype | s
 
     from kvgate.gate import GateConfig, patch
 
+    check_device(device)  # before anything is read: torch would fail late, in a traceback
     root = Path(path)
     meta = read_meta(root, verify=verify)
     model, tokenizer = _load_base_for(meta, root, base, dtype)

@@ -12,8 +12,8 @@ from collections.abc import Sequence
 
 import torch
 
-from kvgate.eval.perplexity import SAMPLE_PASSAGES, perplexity
 from kvgate.models import ModelLoadError, load_base
+from kvgate.models.perplexity import SAMPLE_PASSAGES, perplexity
 
 PROMPT = "Explain in two sentences why the sky is blue."
 

@@ -69,3 +69,44 @@ def tiny_mistral():
 def tiny_model(request):
     cfg = tiny_llama_config() if request.param == "llama" else tiny_mistral_config()
     return build(cfg)
+
+
+def tiny_qwen2_config(**overrides):
+    """Qwen2: LLaMA's layout plus q/k/v biases."""
+    from transformers import Qwen2Config
+
+    return Qwen2Config(**{
+        "vocab_size": 128, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256,
+        "rms_norm_eps": 1e-6, "tie_word_embeddings": False, **overrides,
+    })
+
+
+def tiny_qwen3_config(**overrides):
+    """Qwen3: per-head RMSNorm of q and k before RoPE, an explicit head_dim."""
+    from transformers import Qwen3Config
+
+    return Qwen3Config(**{
+        "vocab_size": 128, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+        "max_position_embeddings": 256, "rms_norm_eps": 1e-6, "tie_word_embeddings": False,
+        **overrides,
+    })
+
+
+def build_causal_lm(config) -> torch.nn.Module:
+    """Like ``build`` for any family transformers knows (Qwen2, Qwen3, ...): seeded, with the
+    same scaled-up weights; biases and norm weights are randomised too so they matter."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).to(torch.float32).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 2 and "embed" not in name:
+                p.normal_(0.0, 0.15)
+            elif p.dim() == 1 and "bias" in name:
+                p.normal_(0.0, 0.3)
+            elif p.dim() == 1 and "norm" in name:
+                p.uniform_(0.5, 1.5)
+    return model

@@ -1,6 +1,7 @@
-"""bench/*.sh: the scripts behind docs/RESULTS.md parse, every step the usage line names
-exists, and every config they name is in the tree (a removed config breaks a step only when
-someone reruns it, long after the change)."""
+"""The scripts behind docs/RESULTS.md (bench/*.sh, experiments/run_results.sh) parse, every step
+the usage line names exists, every config they name is in the tree (a removed config breaks a
+step only when someone reruns it, long after the change), and every training of a variant
+config writes to the folder named after it (the variant configs set no output folder)."""
 
 from __future__ import annotations
 
@@ -12,8 +13,16 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-SCRIPTS = sorted((ROOT / "bench").glob("*.sh")) + sorted((ROOT / "scripts").glob("*.sh"))
-RUN_RESULTS = (ROOT / "bench" / "run_results.sh").read_text()
+SCRIPTS = sorted((ROOT / "bench").glob("*.sh")) + sorted((ROOT / "scripts").glob("*.sh")) + \
+    sorted((ROOT / "experiments").glob("*.sh"))
+RUN_RESULTS_SH = ROOT / "experiments" / "run_results.sh"
+RUN_RESULTS = RUN_RESULTS_SH.read_text()
+VARIANTS = sorted((ROOT / "experiments" / "configs").glob("*.yaml"))
+
+
+def commands(script: str) -> list[str]:
+    """The script's lines with backslash continuations joined."""
+    return script.replace("\\\n", " ").splitlines()
 
 
 @pytest.mark.parametrize("script", SCRIPTS, ids=[p.name for p in SCRIPTS])
@@ -31,21 +40,63 @@ def test_every_step_in_the_usage_line_exists():
 
 
 def test_every_config_named_by_run_results_exists():
-    named = set(re.findall(r"configs/[\w/]+\.yaml", RUN_RESULTS))
-    named |= {f"configs/{n}.yaml" for n in re.findall(r"--config ([a-z_0-9]+)\b", RUN_RESULTS)
-              if n != "configs"}
-    # the loops name their configs through a variable: expand `for x in a b c` over
-    # `configs/ablation/$x.yaml` and `--config $x`
+    # variants as `$C/NAME.yaml`, recipes as `--config NAME` (configs/NAME.yaml)
+    named = {f"experiments/configs/{n}.yaml" for n in re.findall(r"\$C/(\w+)\.yaml", RUN_RESULTS)}
+    named |= {f"configs/{n}.yaml" for n in re.findall(r"--config ([a-z_0-9/]+)\b", RUN_RESULTS)}
+    # the loops name their configs through a variable: expand `for x in a b c` over `$C/$x.yaml`
     for var, values in re.findall(r"for (\w+) in ([\w ]+);", RUN_RESULTS):
-        for form, path in ((f"configs/ablation/${var}.yaml", "configs/ablation/{}.yaml"),
-                           (f"--config ${var}\n", "configs/{}.yaml")):
-            if form in RUN_RESULTS:
-                named |= {path.format(v) for v in values.split()}
+        if f"$C/${var}.yaml" in RUN_RESULTS:
+            named |= {f"experiments/configs/{v}.yaml" for v in values.split()}
     # and the 256-token beta variants through their helper's VARIANT argument
-    named |= {f"configs/ablation/recent64_256_{v}.yaml"
+    named |= {f"experiments/configs/recent64_256_{v}.yaml"
               for v in re.findall(r"^\s+ctx256_beta_gate (\w+) ", RUN_RESULTS, flags=re.MULTILINE)}
     missing = sorted(p for p in named if not (ROOT / p).is_file())
     assert len(named) >= 25 and not missing, missing
+
+
+def test_variant_trainings_go_through_the_helpers_that_set_run_dir():
+    """A variant config sets no output folder: a `kvgate train` of one without --run_dir would
+    write into cpt_recipe's folders. Only the `variant` and `seed_run` helpers train them."""
+    for line in commands(RUN_RESULTS):
+        if re.match(r"\s*kvgate train ", line) and '"$@"' not in line:
+            assert "$C" not in line and "${" not in line, line
+
+
+def variant_layers(text: str, arrays: dict[str, str]) -> list[str]:
+    """The experiments/configs stems that ``text`` layers, arrays (``"${NAME[@]}"``) expanded."""
+    layers = []
+    for token in text.split():
+        used = re.fullmatch(r'"?\$\{(\w+)\[@\]\}"?', token)
+        if used:
+            layers += variant_layers(arrays[used.group(1)], arrays)
+        layers += re.findall(r"\$C/(\$?\w+)\.yaml", token)
+    return layers
+
+
+def test_each_variant_writes_to_the_folder_named_after_its_last_config():
+    arrays = dict(re.findall(r"^\s*(\w+)=\(([^)]*)\)", RUN_RESULTS, flags=re.MULTILINE))
+    checked = 0
+    for line in commands(RUN_RESULTS):
+        match = re.match(r"\s*variant (\S+) (.*)", line)
+        if match:
+            name, rest = match.groups()
+            layers = variant_layers(rest, arrays)
+            assert layers and name == f"abl_{layers[-1]}", (name, layers)
+            checked += 1
+    assert checked >= 12
+
+
+@pytest.mark.parametrize("path", VARIANTS, ids=[p.stem for p in VARIANTS])
+def test_variant_headers_give_their_layers_and_run_dir(path):
+    """Each variant's header command (what a reader copies) layers configs that exist and ends
+    in its own --run_dir."""
+    header = " ".join(line.lstrip("#").strip().rstrip("\\") for line in
+                      path.read_text().splitlines() if line.startswith("#"))
+    command = header.split("python train.py", 1)[1]
+    layers = re.findall(r"--config (\S+)", command)
+    assert layers[0] == "cpt_recipe" and layers[-1] == f"experiments/configs/{path.name}"
+    assert all((ROOT / layer).is_file() for layer in layers[1:]), layers
+    assert re.search(rf"--run_dir runs/abl_{path.stem}\b", command), command
 
 
 @pytest.mark.parametrize(("args", "message"), [
@@ -54,7 +105,7 @@ def test_every_config_named_by_run_results_exists():
     (["no_such_step"], "usage: "),
 ])
 def test_run_results_refuses_bad_arguments_before_running_anything(args, message):
-    result = subprocess.run(["bash", str(ROOT / "bench" / "run_results.sh"), *args],
+    result = subprocess.run(["bash", str(RUN_RESULTS_SH), *args],
                             check=False, capture_output=True, text=True, timeout=120)
     assert result.returncode == 2 and message in result.stderr, result.stderr
 

@@ -10,10 +10,16 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from training.kvtrain_fixtures import SyntheticCPT, save_tiny_base
 
-from kvgate.checkpoint import CONFIG_NAME, GATES_NAME, CheckpointError, load_gated, read_meta
-from kvgate.export import export_module
-from kvgate.export import main as export_main
+from kvgate.checkpoint import (
+    CONFIG_NAME,
+    GATES_NAME,
+    CheckpointError,
+    export_gated,
+    load_gated,
+    read_meta,
+)
 from kvgate.gate import gate_modules
+from kvgate.training.export import export_checkpoint, export_module
 from kvgate.training.module import KVGateModule
 
 
@@ -163,9 +169,9 @@ def test_failed_export_leaves_nothing_behind(bases, tmp_path, monkeypatch):
         raise OSError("disk full")
 
     monkeypatch.setattr(ck, "_inventory", boom)
-    with pytest.raises(OSError, match="disk full"):
+    with pytest.raises(CheckpointError, match=f"{tmp_path / 'new'}: cannot write .*disk full"):
         export_module(module, tmp_path / "new")
-    with pytest.raises(OSError, match="disk full"):
+    with pytest.raises(CheckpointError, match="disk full"):
         export_module(module, tmp_path / "kept", overwrite=True)
     assert sorted(p.name for p in tmp_path.iterdir()) == before
     assert read_meta(tmp_path / "kept")  # the old export survived the failed overwrite
@@ -174,16 +180,93 @@ def test_failed_export_leaves_nothing_behind(bases, tmp_path, monkeypatch):
         export_module(module, tmp_path / "kept")
 
 
-def test_export_cli_from_a_lightning_checkpoint(bases, tmp_path, capsys):
+def test_export_from_a_lightning_checkpoint(bases, tmp_path):
     module = KVGateModule(base_model=bases["llama"], train="gates_lora", image_every_n_steps=0)
     ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True)
     trainer = L.Trainer(max_steps=2, accelerator="cpu", logger=False, enable_progress_bar=False,
                         enable_model_summary=False, callbacks=[ckpt], limit_val_batches=0,
                         default_root_dir=tmp_path)
     trainer.fit(module, SyntheticCPT(seq_len=16, batch_size=2, val_fraction=0.0))
-    assert export_main([str(tmp_path / "ckpt" / "last.ckpt"), str(tmp_path / "out")]) == 0
-    model, _, meta = load_gated(tmp_path / "out", merge_lora=False)
+    out = export_checkpoint(tmp_path / "ckpt" / "last.ckpt", tmp_path / "out")
+    assert out == tmp_path / "out"
+    model, _, meta = load_gated(out, merge_lora=False)
     assert meta["training"]["global_step"] == 2 and meta["training"]["train"] == "gates_lora"
     assert torch.equal(logits_of(model), logits_of(module.model.eval()))
-    assert export_main([str(tmp_path / "missing.ckpt"), str(tmp_path / "x")]) == 2
-    assert "no such checkpoint file" in capsys.readouterr().err
+    with pytest.raises(CheckpointError, match="no such checkpoint file"):
+        export_checkpoint(tmp_path / "missing.ckpt", tmp_path / "x")
+    assert not (tmp_path / "x").exists()
+
+
+def test_an_out_that_cannot_be_written_is_one_checkpoint_error(tmp_path):
+    (tmp_path / "file").write_text("not a folder")
+    out = tmp_path / "file" / "gated"
+    with pytest.raises(CheckpointError, match=f"{out}: cannot write"):
+        export_gated(torch.nn.Linear(2, 2), out, base_model="b", fingerprint="f")
+
+
+HANG = """
+import sys, time, torch
+import kvgate.checkpoint as ck
+def hang(root):
+    print("writing", flush=True)
+    time.sleep(120)
+ck._inventory = hang
+ck.export_gated(torch.nn.Linear(2, 2), sys.argv[1], base_model="b", fingerprint="f")
+"""
+
+
+def _export_in_child(out):
+    import os
+    import subprocess
+    import sys
+
+    child = subprocess.Popen([sys.executable, "-c", HANG, str(out)], stdout=subprocess.PIPE,
+                             text=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert child.stdout.readline().strip() == "writing"  # its temporary folder exists now
+    return child
+
+
+def test_the_next_export_removes_the_temporaries_of_a_killed_one(tmp_path):
+    """Issue #36 case 5: a killed export leaves .NAME.tmp-* behind; the next export into the
+    same folder removes those of dead processes and keeps those of a live export."""
+    import os
+    import socket
+    import subprocess
+    import time
+
+    out = tmp_path / "gated"
+    killed = _export_in_child(out)
+    killed.kill()
+    killed.wait()
+    temps = [p.name for p in tmp_path.iterdir()]
+    assert len(temps) == 1 and temps[0].startswith(f".gated.tmp-{killed.pid}@"), temps
+    # a live export elsewhere (any running process stands for it) keeps its temporary
+    live = subprocess.Popen(["sleep", "60"])
+    kept = tmp_path / f".gated.tmp-{live.pid}@{socket.gethostname()}-abcd1234"
+    # temporaries of an older kvgate carry no pid: judged by age
+    old, recent = tmp_path / ".gated.tmp-abcd1234", tmp_path / ".gated.tmp-efgh5678"
+    for folder in (kept, old, recent):
+        folder.mkdir()
+        (folder / "gates.safetensors").write_bytes(b"x" * 10)
+    day_ago = time.time() - 86400
+    for path in (old / "gates.safetensors", old):
+        os.utime(path, (day_ago, day_ago))
+    (tmp_path / ".other.tmp-zzzz").mkdir()  # another export's: not ours to judge
+    try:
+        export_gated(torch.nn.Linear(2, 2), out, base_model="b", fingerprint="f")
+        left = {p.name for p in tmp_path.iterdir()}
+        assert left == {"gated", kept.name, recent.name, ".other.tmp-zzzz"}, left
+        assert read_meta(out)
+    finally:
+        live.kill()
+        live.wait()
+
+
+def test_load_gated_checks_the_device_before_reading_anything(tmp_path):
+    from kvgate.checkpoint import load_gated
+    from kvgate.models.errors import ModelLoadError
+
+    # the folder does not even exist: the device is refused first, in one line
+    with pytest.raises(ModelLoadError, match="not a device torch knows") as err:
+        load_gated(tmp_path / "nope", device="gpu0x")
+    assert "\n" not in str(err.value)

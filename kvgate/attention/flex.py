@@ -20,8 +20,8 @@ closed-form gate gradient). The difference is how the work is done, for CUDA:
 FlexAttention has no backward on the CPU, so training through this kernel needs CUDA; its
 forward (and the gate gradient, a forward) runs anywhere, which is how the CPU tests check it.
 Its CUDA checks (the four gradients against the chunked kernel, a model's training step) are
-in tests/gpu, its timings in ``bench/gpu_checks.sh run OUT flex``: not run yet (docs/RESULTS.md
-8b), so ``GateConfig.kernel`` "auto" does not pick it.
+in tests/gpu, its timings in ``bench/gpu_checks.sh run OUT flex``: not run on a GPU yet, so
+``GateConfig.kernel`` "auto" does not pick it.
 """
 
 from __future__ import annotations

@@ -43,7 +43,7 @@ EVICTED = -1e30
 def choose_kernel(name: str, device: torch.device) -> str:
     """The kernel a gate config's ``kernel`` names on ``device``. "auto" is the chunked kernel
     everywhere for now: the flex kernel's CUDA backward and speed have not been measured yet
-    (docs/RESULTS.md 8b); once they are, this is where CUDA would pick it."""
+    (the H100 timings: docs/RESULTS.md, speed and memory); once they are, this is where CUDA would pick it."""
     del device
     if name != "auto":
         return name

@@ -1,16 +1,18 @@
 """CompressedCache: a transformers ``Cache`` that stores only the entries a policy keeps.
 
-How it plugs in: after ``kvgate.models.dispatch.install(model)`` every attention call of a
-forward that carries this cache goes to ``CompressedCache.attend``. ``update`` passes the new
-keys/values through untouched and ``attend`` does both the attention and the storing, because
-only there are the query, the mask and the normalised layer input known together.
+How it plugs in: the cache is a ``kvgate.models.dispatch.AttentionHandler``, so after
+``dispatch.install(model)`` the router hands every attention call of a forward that carries it
+to ``CompressedCache.attend``. ``update`` passes the new keys/values through untouched and
+``attend`` does both the attention and the storing, because only there are the query, the
+mask and the normalised layer input known together.
 
 Per layer, the first call is the prefill: the policy sees the whole prompt (``LayerPrompt``)
-and returns a keep mask; the prompt attends fully (or under the eq. 5 mask for ``encode_mask``
-policies, or block by block for ``stream_prefill`` policies), then only kept entries are
-stored (``RaggedStore``). Later calls append new tokens and attend over the ragged store;
-policies with ``decode_eviction`` hold each head at a capacity through
-``decode_init`` / ``decode_select``.
+and returns a keep mask; the prompt attends fully (or under the eq. 5 mask for an
+``EncodeMasking`` policy, or block by block for a ``StreamingPrefill`` one), then only kept
+entries are stored (``RaggedStore``). Later calls append new tokens and attend over the ragged
+store; a ``DecodeEvicting`` policy holds each head at a capacity through
+``decode_init`` / ``decode_select``. The policy's contract is read from its class
+(``kvgate.policies.contract``), never probed.
 
 Positions: a cache that evicts holds fewer entries than tokens seen, so everything that
 transformers derives from the cache length (``get_seq_length``, ``get_mask_sizes``) reports
@@ -21,7 +23,6 @@ padding; visibility (causal, sliding window) comes from the stored true position
 
 from __future__ import annotations
 
-import inspect
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -39,7 +40,16 @@ from kvgate.cache.prefill import (
     prompt_allowed,
 )
 from kvgate.cache.ragged import RaggedStore
-from kvgate.policies.base import Budget, LayerPrompt, Policy, PolicyError
+from kvgate.models.dispatch import AttentionHandler, ForwardContext, install
+from kvgate.policies.contract import (
+    Budget,
+    DecodeEvicting,
+    LayerPrompt,
+    Policy,
+    PolicyError,
+    StreamingPrefill,
+    prefill_band,
+)
 
 
 @dataclass
@@ -59,7 +69,7 @@ def _text_config(config: Any) -> Any:
     return getter(decoder=True) if getter is not None else config
 
 
-class CompressedCache(Cache):
+class CompressedCache(Cache, AttentionHandler):
     """A KV cache that really shrinks: per layer and KV head it holds only the kept entries.
 
     Args:
@@ -67,7 +77,7 @@ class CompressedCache(Cache):
             its config.
         policy: which entries stay (``kvgate.policies``).
         budget: prompt entries each KV head keeps (``Budget``, ratio or token count).
-        decode_budget: for ``decode_eviction`` policies, the size each head is held at while
+        decode_budget: for ``DecodeEvicting`` policies, the size each head is held at while
             decoding: None = the per-head counts right after the prefill; an int > 1 = that
             many tokens; a float in (0, 1] = that share of the sample's real prompt length.
         allow_attention_scores: False for backends that never materialise attention
@@ -77,15 +87,11 @@ class CompressedCache(Cache):
     serves one batch of prompts; make a new one (or ``reset()``) for the next batch.
     """
 
-    handles_attention = True
-
     def __init__(self, model_or_config: nn.Module | Any, policy: Policy,
                  budget: Budget | float | str, decode_budget: Budget | float | None = None,
                  *, allow_attention_scores: bool = True) -> None:
         if isinstance(model_or_config, nn.Module):
-            from kvgate.models import dispatch
-
-            dispatch.install(model_or_config)
+            install(model_or_config)
             config = model_or_config.config
         else:
             config = model_or_config
@@ -98,21 +104,12 @@ class CompressedCache(Cache):
             raise CacheError(f"CompressedCache needs a decoder config, got {type(config).__name__}"
                              ) from exc
         self.head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // heads)
-        if not callable(getattr(policy, "keep", None)):
+        if not isinstance(policy, Policy):
             raise PolicyError(f"policy must be a kvgate Policy, got {type(policy).__name__}")
-        for flag in ("decode_eviction", "stream_prefill"):
-            if getattr(policy, flag, False) and not (hasattr(policy, "decode_init")
-                                                     and hasattr(policy, "decode_select")):
-                raise PolicyError(f"policy {policy.name!r} sets {flag} but has no "
-                                  "decode_init/decode_select")
         if policy.needs_attention and not allow_attention_scores:
             raise PolicyError(f"policy {policy.name!r} needs attention scores, which this "
                               "attention backend cannot give")
         self.policy = policy
-        # RoCo-style policies tell encoding (streamed prompt) from decoding by this flag
-        select = getattr(policy, "decode_select", None)
-        self._select_takes_prefill = (select is not None
-                                      and "prefill" in inspect.signature(select).parameters)
         self.budget = Budget.parse(budget)
         self.decode_budget = _check_decode_budget(decode_budget)
         super().__init__(layers=[_Layer() for _ in range(self.num_layers)])
@@ -236,10 +233,13 @@ class CompressedCache(Cache):
 
     def attend(self, module: nn.Module, query: Tensor, key: Tensor, value: Tensor,
                attention_mask: Tensor | None, scaling: float | None = None,
-               hidden: Tensor | None = None, **kwargs) -> tuple[Tensor, None]:
+               hidden: Tensor | None = None, position_embeddings: Any = None,
+               context: ForwardContext | None = None, **kwargs) -> tuple[Tensor, None]:
         """Attention for one layer call; stores what the policy keeps.
 
-        query [B, H, r, d], key/value [B, H_kv, r, d] (post-RoPE), hidden [B, r, D].
+        query [B, H, r, d], key/value [B, H_kv, r, d] (post-RoPE), hidden [B, r, D] (the
+        layer's normalised input), position_embeddings the forward's rotary (cos, sin);
+        ``context`` (the router's) gives a prefill policy the previous layer's input.
         Returns ``(out [B, r, H, d], None)`` like transformers' attention functions.
         """
         layer = self._layer(module.layer_idx)
@@ -250,8 +250,11 @@ class CompressedCache(Cache):
         valid = new_token_validity(attention_mask, b, r, query.device)
         window = kwargs.get("sliding_window") or None
         if layer.store is None:
-            out = self._prefill(layer, module, query, key, value, attention_mask, valid,
-                                scaling, hidden, window, kwargs)
+            previous = (context.call(module.layer_idx - 1).hidden
+                        if context is not None and module.layer_idx > 0 else None)
+            prompt = LayerPrompt(module.layer_idx, self.num_layers, query, key, value, valid,
+                                 scaling, hidden, module, position_embeddings, previous)
+            out = self._prefill(layer, prompt, attention_mask, window, kwargs)
         else:
             if layer.store.batch != b:
                 raise CacheError(f"batch of {b} rows, but this cache was filled with "
@@ -260,9 +263,10 @@ class CompressedCache(Cache):
                              all_valid=True if attention_mask is None else None)
         return out, None
 
-    def _prefill(self, layer: _Layer, module: nn.Module, query: Tensor, key: Tensor,
-                 value: Tensor, mask: Tensor | None, valid: Tensor, scaling: float,
-                 hidden: Tensor | None, window: int | None, kwargs: dict) -> Tensor:
+    def _prefill(self, layer: _Layer, prompt: LayerPrompt, mask: Tensor | None,
+                 window: int | None, kwargs: dict) -> Tensor:
+        module, query, key, value = prompt.module, prompt.query, prompt.key, prompt.value
+        valid, scaling = prompt.valid, prompt.scaling
         b, hk, n, d = key.shape
         if hk != self.kv_heads or d != self.head_dim:
             raise CacheError(f"layer {module.layer_idx} gives {hk} KV heads of dim {d}; the "
@@ -270,32 +274,29 @@ class CompressedCache(Cache):
         layer.store = RaggedStore(b, hk, d, key.dtype, key.device)
         layer.real_seen = torch.zeros(b, dtype=torch.long, device=key.device)
         n_real = valid.sum(-1)
-        if getattr(self.policy, "stream_prefill", False):
-            out = self._stream_prefill(layer, module, query, key, value, mask, valid, scaling,
-                                       hidden, window, kwargs)
+        if isinstance(self.policy, StreamingPrefill):
+            out = self._stream_prefill(layer, prompt, mask, window, kwargs)
         else:
-            prompt = LayerPrompt(module.layer_idx, self.num_layers, query, key, value, valid,
-                                 scaling, hidden, module)
             keep = self._keep(prompt)
-            if self.policy.encode_mask:
+            band = prefill_band(self.policy)  # read after keep(): the gate decides per model
+            if band is not None:
                 allowed = prompt_allowed(mask, b, n, window, query.device)
                 out = keep_masked_attention(query, key, value, allowed, keep, scaling,
-                                            recent=int(getattr(self.policy, "encode_recent", 0)))
+                                            recent=band)
             else:
                 out, _ = sdpa_attention_forward(module, query, key, value, mask, scaling=scaling,
                                                 dropout=0.0, **kwargs)
             layer.store.append(key, value, positions_after(valid, layer.real_seen))
             kept = layer.store.rebuild(keep)
-            if self.policy.decode_eviction:
+            if isinstance(self.policy, DecodeEvicting):
                 stats = self.policy.decode_init(prompt, keep)
                 layer.stats = {k: layer.store.realign(v, kept) for k, v in stats.items()}
             layer.seen, layer.real_seen = n, n_real
         layer.capacity = self._decode_capacity(layer.store.kept_counts(), n_real)
         return out
 
-    def _stream_prefill(self, layer: _Layer, module: nn.Module, query: Tensor, key: Tensor,
-                        value: Tensor, mask: Tensor | None, valid: Tensor, scaling: float,
-                        hidden: Tensor | None, window: int | None, kwargs: dict) -> Tensor:
+    def _stream_prefill(self, layer: _Layer, prompt: LayerPrompt, mask: Tensor | None,
+                        window: int | None, kwargs: dict) -> Tensor:
         """Evict-while-encoding in blocks of ``policy.block`` rows (RoCo-style), per layer.
 
         Streaming one layer at a time equals feeding the model block by block: a layer's
@@ -303,10 +304,12 @@ class CompressedCache(Cache):
         layer's own cache. Blocks are aligned to the end of the prompt, so a left-padded
         sample meets the same block boundaries as when it runs alone. The longest aligned
         prefix in which no sample exceeds its budget runs as one plain prefill (nothing would
-        be evicted there); every later block is one ``decode_select``.
+        be evicted there); every later block is one ``decode_select(..., prefill=True)``.
         """
+        query, key, value, valid, scaling = (prompt.query, prompt.key, prompt.value,
+                                             prompt.valid, prompt.scaling)
         b, hk, n, _ = key.shape
-        block = int(getattr(self.policy, "block", 1))
+        block = int(self.policy.block)
         if block < 1:
             raise PolicyError(f"policy {self.policy.name!r}: block must be >= 1, got {block}")
         cap = self.budget.per_sample(valid.sum(-1))
@@ -315,18 +318,16 @@ class CompressedCache(Cache):
         n0 = max(0, n - -(-(n - fits) // block) * block)  # last aligned boundary <= fits
         outs = []
         if n0 > 0:
+            head = prompt.head(n0)  # the rows that fit the budget
             m0 = None if mask is None else mask[..., :n0, :n0]
-            q0, k0, v0 = query[:, :, :n0], key[:, :, :n0], value[:, :, :n0]
-            out0, _ = sdpa_attention_forward(module, q0, k0, v0, m0, scaling=scaling,
-                                             dropout=0.0, **kwargs)
-            prompt = LayerPrompt(module.layer_idx, self.num_layers, q0, k0, v0, valid[:, :n0],
-                                 scaling, None if hidden is None else hidden[:, :n0], module)
-            keep = valid[:, None, :n0].expand(b, hk, n0)
-            layer.store.append(k0, v0, positions_after(valid[:, :n0], layer.real_seen))
+            out0, _ = sdpa_attention_forward(prompt.module, head.query, head.key, head.value, m0,
+                                             scaling=scaling, dropout=0.0, **kwargs)
+            keep = head.valid[:, None, :].expand(b, hk, n0)
+            layer.store.append(head.key, head.value, positions_after(head.valid, layer.real_seen))
             kept = layer.store.rebuild(keep)
-            stats = self.policy.decode_init(prompt, keep)
+            stats = self.policy.decode_init(head, keep)
             layer.stats = {k: layer.store.realign(v, kept) for k, v in stats.items()}
-            layer.seen, layer.real_seen = n0, valid[:, :n0].sum(-1)
+            layer.seen, layer.real_seen = n0, head.n_real
             outs.append(out0)
         lo = n0
         while lo < n:  # a loop over blocks, like decode steps
@@ -360,7 +361,7 @@ class CompressedCache(Cache):
         tb = store.base_len
         base_k, base_v = store.base_kv()
         tail_k, tail_v = store.tail_kv()
-        evict = self.policy.decode_eviction if evict is None else evict
+        evict = isinstance(self.policy, DecodeEvicting) if evict is None else evict
         # slot positions cost a gather over the base: only when a window or a policy needs them
         positions = store.slot_positions() if (evict or window) else None  # [B, H_kv, T]
         rows = qpos[:, None, :, None]  # [B, 1, r, 1]
@@ -392,9 +393,8 @@ class CompressedCache(Cache):
         b, hk, t = slot_valid.shape
         stats = {k: torch.cat([v, v.new_zeros(b, hk, t - v.shape[-1])], dim=-1)
                  for k, v in layer.stats.items()}
-        extra = {"prefill": True} if prefill and self._select_takes_prefill else {}
         stats, keep = self.policy.decode_select(stats, logits, slot_valid, positions,
-                                                layer.capacity, **extra)
+                                                layer.capacity, prefill=prefill)
         if keep.shape != slot_valid.shape:
             raise PolicyError(f"policy {self.policy.name!r}: decode_select returned keep of "
                               f"shape {tuple(keep.shape)}, expected {tuple(slot_valid.shape)}")

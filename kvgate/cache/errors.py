@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from kvgate.errors import KVGateError
 
-class CacheError(RuntimeError):
+
+class CacheError(KVGateError, RuntimeError):
     """CompressedCache used in a way it cannot support; the message says what to do instead."""

@@ -1,4 +1,4 @@
-"""What the cache reads off transformers' attention mask, and eq. 5 masked prefill attention."""
+"""Eq. 5 masked prefill attention (the mask readers it uses live in ``kvgate.attention.masks``)."""
 
 from __future__ import annotations
 
@@ -6,61 +6,12 @@ import torch
 from torch import Tensor
 from torch.nn.functional import scaled_dot_product_attention
 
-from kvgate.cache.errors import CacheError
+from kvgate.attention.masks import new_token_validity, positions_after, prompt_allowed
+
+__all__ = ["keep_masked_attention", "new_token_validity", "positions_after", "prompt_allowed"]
 
 # Row chunk of the eq. 5 attention: bounds the [B, H, rows, n] mask SDPA materialises.
 _MASK_ELEMS = 1 << 26
-
-
-def _as_bool(mask: Tensor) -> Tensor:
-    if mask.dtype == torch.bool:
-        return mask
-    # additive float masks: 0 where visible, a very negative number where hidden
-    return mask > torch.finfo(mask.dtype).min / 2
-
-
-def new_token_validity(mask: Tensor | None, batch: int, rows: int, device) -> Tensor:
-    """Which of the ``rows`` new tokens are real (not padding): ``[B, rows]`` bool.
-
-    The new tokens are the last ``rows`` key columns of the mask, so a real token is one that
-    sees itself (the diagonal); this holds for causal, padded and sliding-window masks alike.
-    """
-    if mask is None:
-        return torch.ones(batch, rows, dtype=torch.bool, device=device)
-    if mask.dim() == 2:  # a raw [B, kv] padding mask
-        return _as_bool(mask[:, -rows:]).expand(batch, rows).to(device)
-    if mask.dim() != 4 or mask.shape[-2] != rows or mask.shape[-1] < rows:
-        raise CacheError(f"attention mask of shape {tuple(mask.shape)} does not fit {rows} new "
-                         "tokens; CompressedCache expects transformers' 4-D [B, 1, q, kv] mask")
-    j = torch.arange(rows, device=mask.device)
-    diag = mask[:, 0, j, mask.shape[-1] - rows + j]
-    return _as_bool(diag).expand(batch, rows).to(device)
-
-
-def positions_after(valid: Tensor, start: Tensor) -> Tensor:
-    """True positions of new tokens: ``start`` [B] + running count of real tokens, -1 at pads."""
-    pos = start[:, None] + valid.long().cumsum(-1) - 1
-    return pos.masked_fill(~valid, -1)
-
-
-def prompt_allowed(mask: Tensor | None, batch: int, n: int, window: int | None,
-                   device) -> Tensor:
-    """``[B, n, n]`` bool: which key each prompt row may see before any eviction.
-
-    Taken from the model's mask when there is one (causal + padding + sliding window);
-    rebuilt as causal (+ window) when transformers skipped the mask.
-    """
-    if mask is not None:
-        if mask.dim() != 4 or mask.shape[-2:] != (n, n):
-            raise CacheError(f"prefill attention mask of shape {tuple(mask.shape)} is not "
-                             f"[B, 1, {n}, {n}]")
-        return _as_bool(mask[:, 0]).expand(batch, n, n)
-    qi = torch.arange(n, device=device)[:, None]
-    ki = torch.arange(n, device=device)[None, :]
-    allowed = ki <= qi
-    if window:
-        allowed = allowed & (ki > qi - window)
-    return allowed[None].expand(batch, n, n)
 
 
 def keep_masked_attention(query: Tensor, key: Tensor, value: Tensor, allowed: Tensor,

@@ -18,6 +18,8 @@ of entries the base is a zero-copy ``[B, H_kv, Tb, d]`` view.
 
 from __future__ import annotations
 
+import copy
+
 import torch
 from torch import Tensor
 
@@ -77,6 +79,14 @@ class RaggedStore:
         """Bytes of every tensor the store holds (K/V, positions, counts)."""
         return sum(_nbytes(t) for t in (self.keys, self.values, self.pos, self.counts,
                                         self.tail_k, self.tail_v, self.tail_pos))
+
+    def fork(self) -> RaggedStore:
+        """An independent copy that shares the stored tensors (copy-on-write).
+
+        Nothing here writes into a tensor it holds: ``append`` and ``rebuild`` always bind new
+        ones, so a fork may append and evict freely without touching the original.
+        """
+        return copy.copy(self)
 
     # ------------------------------------------------------------------ writing
 

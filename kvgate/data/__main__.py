@@ -1,4 +1,5 @@
-"""``python -m kvgate.data``: build the CPT corpus (once) and print its mix and token counts."""
+"""``python -m kvgate.data``: build the CPT corpus (once) and print its mix and token counts
+(the same as ``kvgate data``)."""
 
 from kvgate.data.corpus import main
 

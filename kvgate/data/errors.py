@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from kvgate.errors import KVGateError
 
-class DataError(ValueError):
+
+class DataError(KVGateError, ValueError):
     """A bad task name, split, file or field; the message names it and what is accepted."""
 
 

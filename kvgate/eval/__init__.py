@@ -5,12 +5,19 @@
 - :mod:`.masked`: the masked-mode attention (keep decisions applied as masks, one forward);
 - :mod:`.needle`: passkey retrieval (length x depth) and perplexity under eviction;
 - :mod:`.report`: resumable results JSON, markdown table, plots;
-- :mod:`.perplexity`: plain perplexity of a model over texts.
+- :mod:`.identity`: what a stored result is checked against before it is reused (the model,
+  every score-changing setting, each example's tokens);
+- :mod:`.config`: one typed config per command (``MCConfig``, ``MatchedConfig``,
+  ``NeedleConfig``, ``PPLConfig``, ``PatternConfig``, ``ReportConfig``), checked on creation;
+- :mod:`.commands`: each command as a function of its config (``run_mc(cfg)``, ...);
+- :mod:`.flags`: their command-line flags.
 
-Command line: ``python -m kvgate.eval {mc,matched,needle,ppl,pattern,report} ...``.
+Plain perplexity of a model (no eviction) lives in :mod:`kvgate.models.perplexity`.
 
-Names are imported on first use, so ``import kvgate.eval.perplexity`` (used by the model
-converter) stays light.
+Command line: ``kvgate eval {mc,matched,needle,ppl,pattern,report} ...`` (or
+``python -m kvgate.eval ...``).
+
+Names are imported on first use.
 """
 
 from __future__ import annotations
@@ -27,9 +34,13 @@ _EXPORTS = {
     "score_batch": "multiple_choice",
     "evaluate_needle": "needle", "evaluate_ppl": "needle", "generate_greedy": "needle",
     "make_needle": "needle", "needle_set": "needle", "ppl_items": "needle",
-    "PerplexityError": "perplexity", "perplexity": "perplexity",
     "ResultStore": "report", "markdown_table": "report", "plot_eviction_pattern": "report",
     "write_outputs": "report",
+    "MCConfig": "config", "MatchedConfig": "config", "NeedleConfig": "config",
+    "PPLConfig": "config", "PatternConfig": "config", "ReportConfig": "config",
+    "EvalOutput": "commands", "run_eval": "commands", "run_matched": "commands",
+    "run_mc": "commands", "run_needle": "commands", "run_pattern": "commands",
+    "run_ppl": "commands", "run_report": "commands",
 }
 
 __all__ = list(_EXPORTS)

@@ -10,7 +10,7 @@ columns, exactly what a cache-mode prefill of the context shows it) and returns
 ``keep [B, H_kv, C]``. Then:
 
 - context rows attend as the prefill would: full causal attention for one-shot policies, the
-  eq. 5 mask (later rows see only kept entries) for ``encode_mask`` policies (the learned gate);
+  eq. 5 mask (later rows see only kept entries) for ``EncodeMasking`` policies (the learned gate);
 - continuation rows see the kept context entries of their KV head, plus the earlier tokens of
   their *own* choice (never another choice's), as decoding over a compressed cache would.
 
@@ -18,16 +18,15 @@ Because every choice of an example shares one row, the context is encoded once a
 mask is computed once per example. Positions are the true token indices (padding skipped), and
 each choice starts at the context length, so a choice is positioned as in its own sequence.
 
-Policies that evict while encoding in blocks (``stream_prefill``, RoCo) are simulated by
+Policies that evict while encoding in blocks (``StreamingPrefill``, RoCo) are simulated by
 their one-shot ``keep`` here (their own documented approximation); cache mode runs them for real.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -37,11 +36,14 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from kvgate.attention.decode import KVPart, multipart_attention
 from kvgate.cache.prefill import keep_masked_attention, prompt_allowed
+from kvgate.errors import KVGateError
 from kvgate.models import dispatch
+from kvgate.models.dispatch import AttentionHandler, ForwardContext
 from kvgate.policies.base import Budget, LayerPrompt, Policy, PolicyError
+from kvgate.policies.contract import prefill_band
 
 
-class EvalError(ValueError):
+class EvalError(KVGateError, ValueError):
     """Bad evaluation input (items, modes, budgets, files); the message says which."""
 
 
@@ -195,28 +197,6 @@ def sum_by_choice(logp: Tensor, packed: PackedBatch, rows: Tensor, cols: Tensor,
 # the attention object
 
 
-@contextmanager
-def _context_prefix(module: nn.Module, c: int) -> Iterator[None]:
-    """Show a policy the recorded forward context (rotary tables, an earlier layer's input) of
-    the context columns only, as a cache-mode prefill of the context would record it."""
-    gate = getattr(module, "kv_gate", None)
-    mods = [module] + ([gate.previous] if getattr(gate, "previous", None) is not None else [])
-    saved = []
-    for m in mods:
-        ctx = dispatch.context(m)
-        saved.append((ctx, dict(ctx)))
-        if ctx.get("hidden") is not None:
-            ctx["hidden"] = ctx["hidden"][:, :c]
-        if ctx.get("position_embeddings") is not None:
-            ctx["position_embeddings"] = tuple(x[:, :c] for x in ctx["position_embeddings"])
-    try:
-        yield
-    finally:
-        for ctx, old in saved:
-            ctx.clear()
-            ctx.update(old)
-
-
 def keep_for_rows(policy: Policy, prompt: LayerPrompt, budgets: Sequence[Budget]) -> Tensor:
     """``policy.keep`` with one budget per row: rows sharing a budget go in one call.
 
@@ -232,26 +212,33 @@ def keep_for_rows(policy: Policy, prompt: LayerPrompt, budgets: Sequence[Budget]
         keep = torch.zeros((b, hk, n), dtype=torch.bool, device=prompt.key.device)
         for bud, rows in groups.items():  # one call per distinct budget (matched budgets)
             idx = torch.tensor(rows, device=prompt.key.device)
-            sub = LayerPrompt(prompt.layer_idx, prompt.num_layers, prompt.query[idx],
-                              prompt.key[idx], prompt.value[idx], prompt.valid[idx],
-                              prompt.scaling, None if prompt.hidden is None else prompt.hidden[idx],
-                              prompt.module)
-            keep[idx] = policy.keep(sub, bud).to(torch.bool)
+            keep[idx] = policy.keep(_rows(prompt, idx), bud).to(torch.bool)
     if tuple(keep.shape) != (b, hk, n):
         raise PolicyError(f"policy {policy.name!r} returned keep of shape {tuple(keep.shape)}, "
                           f"expected {(b, hk, n)}")
     return keep.to(torch.bool) & prompt.valid[:, None, :]
 
 
-class MaskedScoringCache(Cache):
+def _rows(prompt: LayerPrompt, idx: Tensor) -> LayerPrompt:
+    """The prompt of some batch rows only."""
+    def pick(x: Any) -> Any:
+        if x is None:
+            return None
+        return tuple(t[idx] for t in x) if isinstance(x, tuple) else x[idx]
+
+    return replace(prompt, query=prompt.query[idx], key=prompt.key[idx],
+                   value=prompt.value[idx], valid=prompt.valid[idx], hidden=pick(prompt.hidden),
+                   position_embeddings=pick(prompt.position_embeddings),
+                   previous_hidden=pick(prompt.previous_hidden))
+
+
+class MaskedScoringCache(Cache, AttentionHandler):
     """Attention handler for one packed forward (see the module docstring).
 
     Passed as ``past_key_values``; stores nothing. After the forward ``kept`` [B, L] holds
     the kept context entries per row and layer, and ``keeps`` (when ``record=True``) the keep
     masks ``[B, H_kv, C]`` of every layer.
     """
-
-    handles_attention = True
 
     def __init__(self, num_layers: int, policy: Policy, budgets: Sequence[Budget],
                  packed: PackedBatch, record: bool = False) -> None:
@@ -292,7 +279,8 @@ class MaskedScoringCache(Cache):
 
     def attend(self, module: nn.Module, query: Tensor, key: Tensor, value: Tensor,
                attention_mask: Tensor | None, scaling: float | None = None,
-               hidden: Tensor | None = None, **kwargs) -> tuple[Tensor, None]:
+               hidden: Tensor | None = None, position_embeddings: Any = None,
+               context: ForwardContext | None = None, **kwargs) -> tuple[Tensor, None]:
         """query [B, H, T, d], key/value [B, H_kv, T, d] (post-RoPE), hidden [B, T, D].
         Returns ``(out [B, T, H, d], None)``."""
         c = self.ctx_len
@@ -303,19 +291,23 @@ class MaskedScoringCache(Cache):
         seg = self.segment.to(device)
         valid = seg[:, :c] == 0
         qc, kc, vc = query[:, :, :c], key[:, :, :c], value[:, :, :c]
+        # the policy sees the context columns only, as a cache-mode prefill of the context
+        # would show them (the previous layer's input is cut to them by the gate itself)
+        previous = None if context is None else context.call(module.layer_idx - 1).hidden
         prompt = LayerPrompt(module.layer_idx, self.num_layers, qc, kc, vc, valid, scaling,
-                             None if hidden is None else hidden[:, :c], module)
-        with _context_prefix(module, c):
-            keep = keep_for_rows(self.policy, prompt, self.budgets)  # [B, H_kv, C]
+                             None if hidden is None else hidden[:, :c], module,
+                             None if position_embeddings is None
+                             else tuple(x[:, :c] for x in position_embeddings), previous)
+        keep = keep_for_rows(self.policy, prompt, self.budgets)  # [B, H_kv, C]
         self.kept[:, module.layer_idx] = keep.sum((1, 2)).cpu()
         if self.record:
             self.keeps[module.layer_idx] = keep.cpu()
         window = kwargs.get("sliding_window") or None
         ctx_mask = None if attention_mask is None else attention_mask[..., :c, :c]
-        if self.policy.encode_mask:
+        band = prefill_band(self.policy)  # read after keep: the gate sets it from its config
+        if band is not None:
             allowed = prompt_allowed(ctx_mask, b, c, window, device)
-            out_ctx = keep_masked_attention(qc, kc, vc, allowed, keep, scaling,
-                                            recent=int(getattr(self.policy, "encode_recent", 0)))
+            out_ctx = keep_masked_attention(qc, kc, vc, allowed, keep, scaling, recent=band)
         else:
             out_ctx, _ = sdpa_attention_forward(module, qc, kc, vc, ctx_mask, scaling=scaling,
                                                 dropout=0.0, **kwargs)

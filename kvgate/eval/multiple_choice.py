@@ -28,15 +28,19 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 from tqdm.auto import tqdm
 
+from kvgate.attention.masks import left_pad, right_pad
 from kvgate.data.tasks import MCExample
+from kvgate.eval.identity import check_inputs, input_digest
 from kvgate.eval.masked import (
     EvalError,
     ItemScore,
@@ -49,6 +53,7 @@ from kvgate.eval.masked import (
 )
 from kvgate.eval.report import ResultStore, budget_label, make_key
 from kvgate.inference import Engine
+from kvgate.models.limits import InputTooLongError, context_limit
 from kvgate.policies.base import Budget, Policy
 from kvgate.policies.registry import policy_spec
 
@@ -97,41 +102,34 @@ def mc_item(example: MCExample, tokenizer: Any, max_length: int | None = None) -
 # cache mode
 
 
-def left_pad(seqs: Sequence[Sequence[int]], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
-    width = max(len(s) for s in seqs)
-    ids = torch.full((len(seqs), width), pad, dtype=torch.long)
-    mask = torch.zeros((len(seqs), width), dtype=torch.long)
-    for row, s in enumerate(seqs):
-        ids[row, width - len(s):] = torch.tensor(s)
-        mask[row, width - len(s):] = 1
-    return ids, mask
+@dataclass
+class ContinuationScores:
+    """Per (context, continuation) row: the continuation's summed log-probability, whether
+    greedy decoding gives it, the context entries the cache kept (all layers and KV heads),
+    the real context tokens and the continuation's tokens; each ``[N]``, on the CPU."""
 
-
-def right_pad(seqs: Sequence[Sequence[int]], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
-    width = max(len(s) for s in seqs)
-    ids = torch.full((len(seqs), width), pad, dtype=torch.long)
-    mask = torch.zeros((len(seqs), width), dtype=torch.long)
-    for row, s in enumerate(seqs):
-        ids[row, : len(s)] = torch.tensor(s)
-        mask[row, : len(s)] = 1
-    return ids, mask
+    loglik: Tensor  # float64
+    greedy: Tensor  # bool
+    kept: Tensor  # long
+    n_real: Tensor  # long
+    tokens: Tensor  # long
 
 
 @torch.no_grad()
-def cache_scores(model: nn.Module, items: Sequence[ScoringItem], policy: Policy,
-                 budget: Budget, pad: int = 0) -> list[ItemScore]:
-    """Score items over a real compressed cache: prefill every (item, choice) row's context
-    with ``policy`` at ``budget``, then feed the choice as a continuation."""
-    num_layers, kv_heads = model_shape(model)
+def score_continuations(model: nn.Module, cache: Any, contexts: Sequence[Sequence[int]],
+                        continuations: Sequence[Sequence[int]], pad: int = 0,
+                        ) -> ContinuationScores:
+    """Prefill the left-padded ``contexts`` into ``cache`` (a fresh ``CompressedCache``: its
+    policy compresses them), then feed each right-padded continuation over what was kept, in
+    one forward. Every sequence non-empty."""
+    num_layers, _ = model_shape(model)
     device = model_device(model)
-    owner = [i for i, it in enumerate(items) for _ in it.choices]
-    ctx_ids, ctx_mask = left_pad([items[i].context for i in owner], pad)
-    cont_ids, cont_mask = right_pad([ch for it in items for ch in it.choices], pad)
+    ctx_ids, ctx_mask = left_pad(contexts, pad)
+    cont_ids, cont_mask = right_pad(continuations, pad)
     n_real = ctx_mask.sum(-1)
     ctx_pos = (ctx_mask.cumsum(-1) - 1).clamp(min=0)
     cont_pos = n_real[:, None] + torch.arange(cont_ids.shape[1])
-    # the Engine's cache and positions; the prefill is run here to keep only the last logits
-    cache = Engine(model, None, policy, budget).new_cache()
+    # the prefill keeps only the last logits: the first continuation token's prediction
     first = model(input_ids=ctx_ids.to(device), attention_mask=ctx_mask.to(device),
                   position_ids=ctx_pos.to(device), past_key_values=cache, use_cache=True,
                   logits_to_keep=1).logits[:, -1:]
@@ -140,17 +138,31 @@ def cache_scores(model: nn.Module, items: Sequence[ScoringItem], policy: Policy,
                  attention_mask=torch.cat([ctx_mask, cont_mask], dim=1).to(device),
                  position_ids=cont_pos.to(device), past_key_values=cache, use_cache=True).logits
     logits = torch.cat([first, rest[:, :-1]], dim=1).float()  # [N, R, V]: predicts token r
-    tok = cont_ids.to(device)
+    tok, real = cont_ids.to(device), cont_mask.to(device).bool()
     logp = logits.gather(-1, tok[..., None])[..., 0] - torch.logsumexp(logits, dim=-1)
-    logp = (logp.double() * cont_mask.to(device)).sum(-1).cpu()
+    loglik = (logp.double() * real).sum(-1).cpu()
+    greedy = ((logits.argmax(-1) == tok) | ~real).all(-1).cpu()
+    return ContinuationScores(loglik, greedy, kept, n_real, cont_mask.sum(-1))
+
+
+def cache_scores(model: nn.Module, items: Sequence[ScoringItem], policy: Policy,
+                 budget: Budget, pad: int = 0) -> list[ItemScore]:
+    """Score items over a real compressed cache: prefill every (item, choice) row's context
+    with ``policy`` at ``budget``, then feed the choice as a continuation."""
+    num_layers, kv_heads = model_shape(model)
+    owner = [i for i, it in enumerate(items) for _ in it.choices]
+    cache = Engine(model, None, policy, budget).new_cache()
+    rows = score_continuations(model, cache, [items[i].context for i in owner],
+                               [ch for it in items for ch in it.choices], pad)
     scores: dict[int, ItemScore] = {}
     for row, i in enumerate(owner):
         it = items[i]
         if i not in scores:
-            n = int(n_real[row])
-            scores[i] = ItemScore(it.uid, [], [], n, int(kept[row]), num_layers * kv_heads * n)
-        scores[i].loglik.append(float(logp[row]))
-        scores[i].tokens.append(int(cont_mask[row].sum()))
+            n = int(rows.n_real[row])
+            scores[i] = ItemScore(it.uid, [], [], n, int(rows.kept[row]),
+                                  num_layers * kv_heads * n)
+        scores[i].loglik.append(float(rows.loglik[row]))
+        scores[i].tokens.append(int(rows.tokens[row]))
     return [scores[i] for i in range(len(items))]
 
 
@@ -229,12 +241,16 @@ def run_resumable(store: ResultStore, key: str, items: Sequence[Any],
     shows at once, not at the end); the store is updated after every batch. A complete key
     asked for items it lacks (a larger ``--limit`` or ``--windows``) scores only those.
     ``policy``: its spec (name and options) is stored with the key, and a key stored with
-    another spec is refused (a label reused with other options would mix two policies).
+    another spec is refused (a label reused with other options would mix two policies), as is
+    one stored with other settings or an example scored on other tokens
+    (:mod:`kvgate.eval.identity`).
     """
     # as it reads back from the file, so a stored spec compares equal
     spec = None if policy is None else json.loads(json.dumps(policy_spec(policy)))
     store.check_spec(key, spec)
     done = store.examples(key)
+    digests = {it.uid: input_digest(it) for it in items}
+    check_inputs(store.path, key, done, digests)
     if store.is_complete(key) and all(it.uid in done for it in items):
         return store.results[key]
     extra = dict(extra or {})
@@ -244,7 +260,7 @@ def run_resumable(store: ResultStore, key: str, items: Sequence[Any],
     batches = [todo[i: i + batch_size] for i in range(0, len(todo), max(1, batch_size))]
     for batch in tqdm(batches, desc=key, disable=not progress, leave=False):
         for it, rec in zip(batch, score(batch)):
-            done[it.uid] = rec
+            done[it.uid] = {**rec, "input": digests[it.uid]}
         store.put(key, {**extra, **summarise(done)}, done, complete=False)
     wanted = {it.uid for it in items}
     final = {uid: r for uid, r in done.items() if uid in wanted}
@@ -282,23 +298,61 @@ def run_items(model: nn.Module, items: Sequence[ScoringItem], policy: Policy,
 # multiple-choice runs
 
 
+def fit_items(items: Sequence[ScoringItem], limit: int | None, truncate: bool = False,
+              what: str = "") -> list[ScoringItem]:
+    """Items whose context and longest choice fit the model's ``limit`` positions. A longer
+    one raises ``InputTooLongError`` naming it and both lengths; with ``truncate`` its context
+    is cut from the start instead, and one line on stderr lists what was dropped."""
+    if limit is None:
+        return list(items)
+    out, cut = [], []
+    for it in items:
+        longest = max(len(c) for c in it.choices)
+        n = len(it.context) + longest
+        if n <= limit:
+            out.append(it)
+            continue
+        if longest >= limit:
+            raise InputTooLongError(f"{it.uid}: a choice of {longest:,} tokens leaves no room "
+                                    f"for its context in the model's {limit:,} positions")
+        if not truncate:
+            raise InputTooLongError(
+                f"{it.uid} has {len(it.context):,} context + {longest} choice tokens = {n:,}; "
+                f"the model takes at most {limit:,} (max_position_embeddings): pass "
+                "--max-length or --truncate to cut the context from the start")
+        cut.append((it.uid, n - limit))
+        out.append(replace(it, context=it.context[n - limit:]))
+    if cut:
+        shown = ", ".join(f"{uid} (-{d:,})" for uid, d in cut[:5])
+        more = f" and {len(cut) - 5} more" if len(cut) > 5 else ""
+        print(f"warning: --truncate cut {len(cut)} of {len(items)} {what} contexts from the start "
+              f"to fit the model's {limit:,} positions, {sum(d for _, d in cut):,} tokens in "
+              f"all: {shown}{more}", file=sys.stderr)
+    return out
+
+
 def tokenize_tasks(tasks: Mapping[str, Sequence[MCExample]], tokenizer: Any,
-                   max_length: int | None = None) -> dict[str, list[ScoringItem]]:
-    return {task: [mc_item(ex, tokenizer, max_length) for ex in examples]
+                   max_length: int | None = None, limit: int | None = None,
+                   truncate: bool = False) -> dict[str, list[ScoringItem]]:
+    """Scoring items per task, cut to ``max_length`` and checked against the model's context
+    ``limit`` (``fit_items``)."""
+    return {task: fit_items([mc_item(ex, tokenizer, max_length) for ex in examples], limit,
+                            truncate, task)
             for task, examples in tasks.items()}
 
 
 def evaluate_mc(model: nn.Module, tokenizer: Any, tasks: Mapping[str, Sequence[MCExample]],
                 policies: Mapping[str, Policy], budgets: Sequence[Budget], mode: str,
-                store: ResultStore, batch_size: int = 8, max_length: int | None = None,
-                progress: bool = True) -> list[str]:
+                store: ResultStore, *, batch_size: int = 8, max_length: int | None = None,
+                progress: bool = True, truncate: bool = False) -> list[str]:
     """Every (task, policy, budget) at fixed budgets; returns the result keys.
 
     Budget-free policies (``full``, the thresholded ``attention_gate``: ``Policy.budget_free``)
-    run once under the label ``none``.
+    run once under the label ``none``. An example longer than the model's context is refused
+    before anything is scored, or cut with ``truncate`` (``fit_items``).
     """
     check_mode(mode)
-    items = tokenize_tasks(tasks, tokenizer, max_length)
+    items = tokenize_tasks(tasks, tokenizer, max_length, context_limit(model.config), truncate)
     pad = pad_id(tokenizer)
     keys = []
     for task, task_items in items.items():
@@ -325,11 +379,11 @@ def matched_budgets(reference: Mapping[str, Any], rounding: str = "up") -> dict[
 
 def evaluate_matched(model: nn.Module, tokenizer: Any, tasks: Mapping[str, Sequence[MCExample]],
                      policies: Mapping[str, Policy], reference: Policy, mode: str,
-                     store: ResultStore, reference_name: str | None = None,
+                     store: ResultStore, *, reference_name: str | None = None,
                      reference_budget: Budget | None = None, batch_size: int = 8,
                      max_length: int | None = None, progress: bool = True,
                      others: Callable[[], AbstractContextManager] | None = None,
-                     rounding: str = "up") -> list[str]:
+                     rounding: str = "up", truncate: bool = False) -> list[str]:
     """Run ``reference`` (the learned gate; a heuristic at ``reference_budget`` works too),
     then every other policy at the reference's per-example eviction ratio (budget label
     ``matched-<reference key's policy>@<its budget>``, ``matched~...`` with ``rounding``
@@ -340,7 +394,7 @@ def evaluate_matched(model: nn.Module, tokenizer: Any, tasks: Mapping[str, Seque
     ref_name = reference_name or reference.name
     ref_budget = None if reference.budget_free else (reference_budget or Budget(ratio=0.5))
     ref_label = budget_label(ref_budget)
-    items = tokenize_tasks(tasks, tokenizer, max_length)
+    items = tokenize_tasks(tasks, tokenizer, max_length, context_limit(model.config), truncate)
     pad = pad_id(tokenizer)
     keys = []
     for task, task_items in items.items():

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import math
 import random
+import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -32,18 +33,19 @@ from typing import Any
 import torch
 from torch import nn
 
+from kvgate.attention.masks import left_pad
 from kvgate.eval.masked import EvalError, ScoringItem, model_device, model_shape, pad_id
 from kvgate.eval.multiple_choice import (
     check_mode,
     encode,
     evict_summary,
-    left_pad,
     mc_summary,
     run_items,
     run_resumable,
 )
 from kvgate.eval.report import ResultStore, budget_label, make_key
 from kvgate.inference import Engine
+from kvgate.models.limits import InputTooLongError, context_limit
 from kvgate.policies.base import Budget, Policy
 
 INTRO = "A pass key is hidden in the text below. Find it and remember it."
@@ -202,6 +204,24 @@ def generate_greedy(model: nn.Module, prompts: Sequence[Sequence[int]], policy: 
     return gen, kept.tolist(), totals
 
 
+def check_needle_fits(items: Sequence[ScoringItem | NeedleExample], limit: int | None,
+                      max_new_tokens: int) -> None:
+    """``InputTooLongError`` if a needle prompt and its answer (a ranked key, or the tokens to
+    generate) overrun the model's ``limit`` positions."""
+    if limit is None:
+        return
+    for it in items:
+        if isinstance(it, ScoringItem):
+            prompt, extra, what = len(it.context), max(map(len, it.choices)), "answer"
+        else:
+            prompt, extra, what = len(it.ids), max_new_tokens, "new"
+        if prompt + extra > limit:
+            raise InputTooLongError(
+                f"needle prompt {it.uid} has {prompt:,} tokens + {extra} {what} tokens; the "
+                f"model takes at most {limit:,} (max_position_embeddings): use --lengths of at "
+                f"most {limit - extra:,}")
+
+
 def needle_summary(records: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
     if records and "hit" in next(iter(records.values())):
         n = len(records)
@@ -215,52 +235,59 @@ def needle_summary(records: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
 def evaluate_needle(model: nn.Module, tokenizer: Any, texts: Sequence[str],
                     lengths: Sequence[int], depths: Sequence[float],
                     policies: Mapping[str, Policy], budgets: Sequence[Budget],
-                    store: ResultStore, scoring: str = "rank", mode: str = "masked",
+                    store: ResultStore, *, scoring: str = "rank", mode: str = "masked",
                     samples: int = 5, distractors: int = 9, max_new_tokens: int = 8,
                     batch_size: int = 1, seed: int = 0, progress: bool = True) -> list[str]:
     """Accuracy per (length, depth, policy, budget); returns the result keys.
 
     scoring ``rank`` runs in ``mode`` (masked or cache); ``generate`` always runs over the
-    compressed cache.
+    compressed cache. Every prompt, with its answer (rank) or ``max_new_tokens`` (generate),
+    must fit the model's context: a length that does not is refused before anything is scored
+    (a needle prompt is never cut: its length is what is measured).
     """
     if scoring not in ("rank", "generate"):
         raise EvalError(f"needle scoring must be 'rank' or 'generate', got {scoring!r}")
     mode = "cache" if scoring == "generate" else check_mode(mode)
     pad = pad_id(tokenizer)
     eos = getattr(tokenizer, "eos_token_id", None)
-    keys = []
+    cells = []
     for length in lengths:
         for depth in depths:
             examples = needle_set(tokenizer, texts, int(length), float(depth), samples, seed)
-            extra = {"length": int(length), "depth": float(depth),
-                     "actual_depth": sum(ex.actual_depth for ex in examples) / len(examples)}
-            for name, policy in policies.items():
-                buds: Sequence[Budget | None] = [None] if policy.budget_free else budgets
-                for bud in buds:
-                    fixed = bud or Budget(ratio=1.0)
-                    key = make_key("needle", f"{length}@{depth:g}", name, budget_label(bud),
-                                   f"{scoring}-{mode}")
-                    if scoring == "rank":
-                        items = [rank_item(ex, tokenizer, distractors, seed) for ex in examples]
-                        run_items(model, items, policy, lambda _u, b=fixed: b, mode, store, key,
-                                  needle_summary, extra, batch_size, pad, progress)
-                    else:
-                        def score(batch, policy=policy, fixed=fixed):
-                            gen, kept, total = generate_greedy(
-                                model, [ex.ids for ex in batch], policy, fixed, max_new_tokens,
-                                pad, eos)
-                            recs = []
-                            for ex, g, k, t in zip(batch, gen, kept, total):
-                                text = tokenizer.decode(g)
-                                recs.append({"output": text, "hit": ex.key in text,
-                                             "key": ex.key, "kept": k, "total": t,
-                                             "evict": 1.0 - k / max(t, 1),
-                                             "n_ctx": len(ex.ids)})
-                            return recs
+            ranked = [rank_item(ex, tokenizer, distractors, seed) for ex in examples]
+            check_needle_fits(ranked if scoring == "rank" else examples,
+                              context_limit(model.config), max_new_tokens)
+            cells.append((length, depth, examples, ranked))
+    keys = []
+    for length, depth, examples, ranked in cells:
+        extra = {"length": int(length), "depth": float(depth),
+                 "actual_depth": sum(ex.actual_depth for ex in examples) / len(examples)}
+        for name, policy in policies.items():
+            buds: Sequence[Budget | None] = [None] if policy.budget_free else budgets
+            for bud in buds:
+                fixed = bud or Budget(ratio=1.0)
+                key = make_key("needle", f"{length}@{depth:g}", name, budget_label(bud),
+                               f"{scoring}-{mode}")
+                if scoring == "rank":
+                    run_items(model, ranked, policy, lambda _u, b=fixed: b, mode, store, key,
+                              needle_summary, extra, batch_size, pad, progress)
+                else:
+                    def score(batch, policy=policy, fixed=fixed):
+                        gen, kept, total = generate_greedy(
+                            model, [ex.ids for ex in batch], policy, fixed, max_new_tokens,
+                            pad, eos)
+                        recs = []
+                        for ex, g, k, t in zip(batch, gen, kept, total):
+                            text = tokenizer.decode(g)
+                            recs.append({"output": text, "hit": ex.key in text,
+                                         "key": ex.key, "kept": k, "total": t,
+                                         "evict": 1.0 - k / max(t, 1),
+                                         "n_ctx": len(ex.ids)})
+                        return recs
 
-                        run_resumable(store, key, examples, score, needle_summary, extra,
-                                      batch_size, progress, policy)
-                    keys.append(key)
+                    run_resumable(store, key, examples, score, needle_summary, extra,
+                                  batch_size, progress, policy)
+                keys.append(key)
     return keys
 
 
@@ -269,16 +296,28 @@ def evaluate_needle(model: nn.Module, tokenizer: Any, texts: Sequence[str],
 
 
 def ppl_items(tokenizer: Any, texts: Sequence[str], max_length: int = 512,
-              prefix: float = 0.5, name: str = "corpus") -> list[ScoringItem]:
+              prefix: float = 0.5, name: str = "corpus", limit: int | None = None,
+              truncate: bool = False) -> list[ScoringItem]:
     """One item per text with at least 4 tokens: context = the first ``prefix`` share of its
-    first ``max_length`` tokens, the single choice = the rest."""
+    first ``max_length`` tokens, the single choice = the rest. A text still longer than the
+    model's ``limit`` positions is refused (``InputTooLongError``), or with ``truncate`` cut
+    to them (its end dropped, as ``max_length`` does; one line on stderr says how much)."""
     if not 0.0 < prefix < 1.0:
         raise EvalError(f"ppl prefix must lie in (0, 1), got {prefix}")
     if max_length < 4:
         raise EvalError(f"ppl max_length must be >= 4, got {max_length}")
     items = []
+    dropped = []
     for i, text in enumerate(texts):
         ids = encode(tokenizer, text, special=True)[:max_length]
+        if limit is not None and len(ids) > limit:
+            if not truncate:
+                raise InputTooLongError(
+                    f"text {name}:{i} has {len(ids):,} tokens (at --max-length {max_length}); "
+                    f"the model takes at most {limit:,} (max_position_embeddings): pass "
+                    f"--max-length {limit} or --truncate")
+            dropped.append(len(ids) - limit)
+            ids = ids[:limit]
         if len(ids) < 4:
             continue
         cut = min(max(1, int(len(ids) * prefix)), len(ids) - 1)
@@ -286,20 +325,32 @@ def ppl_items(tokenizer: Any, texts: Sequence[str], max_length: int = 512,
                                  (len(ids) - cut,)))
     if not items:
         raise EvalError("no text has the 4 tokens needed for perplexity under eviction")
+    if dropped:
+        print(f"warning: --truncate cut {len(dropped)} of {len(texts)} texts to the model's "
+              f"{limit:,} positions, dropping {sum(dropped):,} tokens from their ends",
+              file=sys.stderr)
     return items
 
 
 def ppl_window_items(tokenizer: Any, texts: Sequence[str], context: int, continuation: int,
-                     windows: int | None = None, name: str = "corpus") -> list[ScoringItem]:
+                     windows: int | None = None, name: str = "corpus",
+                     limit: int | None = None) -> list[ScoringItem]:
     """Fixed-length items from the texts joined into one token stream (each text encoded with
     the tokenizer's own specials, then an EOS if it has one): non-overlapping windows of
     ``context + continuation`` tokens, the first ``context`` compressed, the rest scored. Every
-    item then has exactly the requested context, which per-text cuts cannot promise."""
+    item then has exactly the requested context, which per-text cuts cannot promise. A window
+    longer than the model's ``limit`` positions is refused (never cut: its size is the
+    setting)."""
     if context < 1 or continuation < 1:
         raise EvalError(f"ppl context and continuation must be >= 1, got {context} and "
                         f"{continuation}")
     if windows is not None and windows < 1:
         raise EvalError(f"ppl windows must be >= 1, got {windows}")
+    if limit is not None and context + continuation > limit:
+        raise InputTooLongError(
+            f"a window of --context {context:,} + --continuation {continuation:,} = "
+            f"{context + continuation:,} tokens; the model takes at most {limit:,} "
+            "(max_position_embeddings): use smaller windows")
     eos = getattr(tokenizer, "eos_token_id", None)
     span = context + continuation
     stream: list[int] = []
@@ -331,19 +382,21 @@ def ppl_summary(records: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
 
 def evaluate_ppl(model: nn.Module, tokenizer: Any, texts: Sequence[str],
                  policies: Mapping[str, Policy], budgets: Sequence[Budget], store: ResultStore,
-                 mode: str = "masked", max_length: int = 512, prefix: float = 0.5,
+                 *, mode: str = "masked", max_length: int = 512, prefix: float = 0.5,
                  name: str = "corpus", batch_size: int = 4, progress: bool = True,
                  context: int | None = None, continuation: int | None = None,
-                 windows: int | None = None) -> list[str]:
+                 windows: int | None = None, truncate: bool = False) -> list[str]:
     """Perplexity of the second part of each text given its compressed first part; with
-    ``context``, of fixed windows of the joined texts instead (``ppl_window_items``)."""
+    ``context``, of fixed windows of the joined texts instead (``ppl_window_items``). Inputs
+    longer than the model's context are refused, or (texts, with ``truncate``) cut."""
     check_mode(mode)
     continuation = continuation or context
+    limit = context_limit(model.config)
     if context is not None:
-        items = ppl_window_items(tokenizer, texts, context, continuation, windows, name)
+        items = ppl_window_items(tokenizer, texts, context, continuation, windows, name, limit)
         extra = {"context": context, "continuation": continuation}
     else:
-        items = ppl_items(tokenizer, texts, max_length, prefix, name)
+        items = ppl_items(tokenizer, texts, max_length, prefix, name, limit, truncate)
         extra = {"max_length": max_length, "prefix": prefix}
     pad = pad_id(tokenizer)
     keys = []

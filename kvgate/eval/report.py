@@ -10,6 +10,9 @@
 A KEY names one (kind, task, policy, budget, mode) run, e.g. ``mc|rte|snapkv|0.5|masked``;
 its policy part is the run's label (``snap10=snapkv`` stores ``snap10``), and ``spec`` holds
 what that label ran, so a resumed key never mixes two option sets (older files lack it).
+``settings`` holds every other setting that changes its scores (``--max-length``, ``--dtype``,
+...), each example the digest of its tokens (``input``), and ``meta`` the model's identity: a
+run that differs in any of them is refused in one line (:mod:`kvgate.eval.identity`).
 The file is rewritten atomically after every batch (at most every ``flush_s`` seconds) and
 when a key completes, so an interrupted run keeps its finished keys *and* the examples of the
 key it was in; a second run skips complete keys and finished examples.
@@ -31,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from kvgate.data.cache import read_json, write_json_atomic
+from kvgate.eval.identity import check_settings, normal
 from kvgate.eval.masked import EvalError
 from kvgate.policies.base import Budget
 
@@ -79,18 +83,25 @@ def split_key(key: str) -> dict[str, str]:
 class ResultStore:
     """The results JSON of one output folder (see the module docstring).
 
-    ``meta`` identifies what produced the numbers (model, checkpoint); a folder holding
-    results of a different model is refused, so numbers never mix.
+    ``meta`` identifies what produced the numbers (model, checkpoint, a digest of its
+    ``weights``); a folder holding results of a different model is refused, so numbers never
+    mix (a folder written before ``weights`` was stored takes it as it is). ``settings``: the
+    run's score-changing settings, stored with every key it puts and checked against a key it
+    resumes (``check_spec``); None checks and stores none.
     """
 
-    def __init__(self, out_dir: str | Path, meta: dict[str, Any], flush_s: float = 30.0) -> None:
+    def __init__(self, out_dir: str | Path, meta: dict[str, Any], flush_s: float = 30.0,
+                 settings: dict[str, Any] | None = None) -> None:
         self.dir = Path(out_dir)
         self.path = self.dir / RESULTS
         self.flush_s = flush_s
         self._last = -math.inf  # the first partial state is written at once
         self._meta = dict(meta)
+        self.settings = None if settings is None else normal(settings)
         self._touched: set[str] = set()  # keys this run has put; the others are the file's
         self.data = self._read() or {"meta": dict(meta), "results": {}}
+        if meta.get("weights") is not None:  # a folder written before the digest gains it
+            self.data["meta"].setdefault("weights", meta["weights"])
 
     def _read(self) -> dict[str, Any] | None:
         """The file's contents, checked to come from the same model and checkpoint."""
@@ -101,10 +112,17 @@ class ResultStore:
             raise EvalError(f"{self.path} exists but is not readable JSON of results; move it "
                             "away")
         old = data.get("meta", {})
-        for field in ("model", "checkpoint", "others_on"):
-            if old.get(field) != self._meta.get(field):
-                raise EvalError(f"{self.path} holds results of {field} {old.get(field)!r}, not "
-                                f"{self._meta.get(field)!r}; use another --out folder")
+        for field in ("model", "checkpoint", "others_on", "weights"):
+            if field == "weights" and None in (old.get(field), self._meta.get(field)):
+                continue  # a folder (or a loader) without the digest: taken as it is
+            if old.get(field) == self._meta.get(field):
+                continue
+            if field == "weights":
+                raise EvalError(f"{self.path} holds results of other weights (digest "
+                                f"{old[field]}, now {self._meta[field]}): the model or "
+                                "checkpoint changed since; use another --out folder")
+            raise EvalError(f"{self.path} holds results of {field} {old.get(field)!r}, not "
+                            f"{self._meta.get(field)!r}; use another --out folder")
         return data
 
     @property
@@ -115,8 +133,10 @@ class ResultStore:
         return bool(self.results.get(key, {}).get("complete"))
 
     def check_spec(self, key: str, spec: dict[str, Any] | None) -> None:
-        """EvalError if ``key`` is stored with another policy spec than ``spec`` (records
-        written before specs were stored have none and are taken as they are)."""
+        """EvalError if ``key`` is stored with other settings than this run's, or with another
+        policy spec than ``spec`` (records written before specs were stored have none and are
+        taken as they are)."""
+        check_settings(self.path, key, self.results.get(key), self.settings)
         stored = self.results.get(key, {}).get("spec")
         if spec is None or stored is None or stored == spec:
             return
@@ -132,7 +152,8 @@ class ResultStore:
     def put(self, key: str, summary: dict[str, Any], examples: dict[str, Any],
             complete: bool) -> None:
         """Store a key's state; written now when complete, else at most every ``flush_s``."""
-        self.results[key] = {**split_key(key), **summary, "complete": complete,
+        settings = {} if self.settings is None else {"settings": self.settings}
+        self.results[key] = {**split_key(key), **summary, **settings, "complete": complete,
                              "examples": examples}
         self._touched.add(key)
         if complete or time.monotonic() - self._last >= self.flush_s:

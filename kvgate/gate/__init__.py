@@ -1,7 +1,13 @@
 """Attention-Gate: the module, the straight-through flags, patching and the eviction loss."""
 
 from kvgate.gate.config import ConfigError, GateConfig
-from kvgate.gate.loss import clear_records, eviction_loss, retention_stats
+from kvgate.gate.loss import (
+    clear_records,
+    eviction_loss,
+    gate_records,
+    last_flags,
+    retention_stats,
+)
 from kvgate.gate.module import AttentionGate, straight_through
 from kvgate.gate.patch import (
     UnsupportedModelError,
@@ -16,7 +22,22 @@ from kvgate.gate.patch import (
 )
 
 __all__ = [
-    "AttentionGate", "ConfigError", "GateConfig", "UnsupportedModelError", "check_gateable",
-    "clear_records", "eviction_loss", "gate_config", "gate_modules", "gates_open", "patch",
-    "prompt_segment", "retention_stats", "set_gates_trainable", "straight_through", "unpatch",
+    "AttentionGate",
+    "ConfigError",
+    "GateConfig",
+    "UnsupportedModelError",
+    "check_gateable",
+    "clear_records",
+    "eviction_loss",
+    "gate_config",
+    "gate_modules",
+    "gate_records",
+    "gates_open",
+    "last_flags",
+    "patch",
+    "prompt_segment",
+    "retention_stats",
+    "set_gates_trainable",
+    "straight_through",
+    "unpatch",
 ]

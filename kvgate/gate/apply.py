@@ -1,4 +1,4 @@
-"""Runs a layer's gate and the gated attention; called by the kvgate attention dispatcher."""
+"""Runs a layer's gate and the gated attention; called by the kvgate attention router."""
 
 from __future__ import annotations
 
@@ -8,10 +8,9 @@ import torch
 from torch import Tensor, nn
 
 from kvgate.attention.gated import gated_attention
-from kvgate.cache.prefill import new_token_validity
+from kvgate.attention.masks import last_real, new_token_validity
 from kvgate.gate.config import GateConfig
-from kvgate.models.dispatch import context
-from kvgate.policies.base import last_real
+from kvgate.models.dispatch import ForwardContext
 
 
 @dataclass
@@ -20,12 +19,6 @@ class GateRecord:
 
     gate: Tensor  # [B, H_gate, n] straight-through values (1 = keep)
     counted: Tensor  # [B, n] bool: real tokens whose flags count (padding and non-prompt excluded)
-
-
-def valid_tokens(attention_mask: Tensor | None, b: int, n: int, device) -> Tensor:
-    """[B, n] bool real tokens of a prefill: the cache's reading of transformers' 4-D mask
-    (a padding query does not see itself), so training and cached prefill agree."""
-    return new_token_validity(attention_mask, b, n, device)
 
 
 def gate_attend_mask(valid: Tensor, prompt: Tensor | None, mode: str) -> Tensor | None:
@@ -50,8 +43,8 @@ def compute_gate(module: nn.Module, hidden: Tensor, position_embeddings, valid: 
                  previous_hidden: Tensor | None = None) -> GateRecord:
     """Straight-through keep flags of one layer: [B, H_gate, n], with sinks, padding and
     (in prompt_bidirectional mode or with a full prefill) non-prompt tokens forced to 1.
-    ``tau`` overrides the gate's keep threshold; ``previous_hidden`` is the previous layer's
-    input for a ``previous_layer`` gate when it is not this forward's (a stored prompt)."""
+    ``tau`` overrides the gate's keep threshold. ``previous_hidden`` [B, n' >= n, D] is the
+    previous layer's input, which a ``previous_layer`` gate reads."""
     gate_mod = module.kv_gate
     counted = counted_tokens(gate_mod.config, valid, prompt)
     if module.layer_idx < gate_mod.config.ungated_layers:
@@ -66,29 +59,30 @@ def compute_gate(module: nn.Module, hidden: Tensor, position_embeddings, valid: 
 
 
 def gate_ranking(module: nn.Module, hidden: Tensor, position_embeddings, valid: Tensor,
-                 prompt: Tensor | None = None) -> tuple[Tensor | None, Tensor]:
+                 prompt: Tensor | None = None, previous_hidden: Tensor | None = None,
+                 ) -> tuple[Tensor | None, Tensor]:
     """What ranking a layer's tokens by its gate needs (inference, no threshold): the raw scores
     [B, H_gate, n] (higher = keep; None in an ungated layer, which keeps everything) and the
     tokens the gate always keeps [B, n] (sinks, the one-shot recent tokens, non-prompt)."""
     gate_mod = module.kv_gate
     if module.layer_idx < gate_mod.config.ungated_layers:
         return None, valid
-    scores = gate_mod.scores(gate_input(module, hidden, None), position_embeddings,
+    scores = gate_mod.scores(gate_input(module, hidden, previous_hidden), position_embeddings,
                              gate_attend_mask(valid, prompt, gate_mod.config.mode))
     counted = counted_tokens(gate_mod.config, valid, prompt)
     return scores, forced_tokens(gate_mod.config, valid, counted, prompt)
 
 
 def gate_input(module: nn.Module, hidden: Tensor, previous_hidden: Tensor | None) -> Tensor:
-    """The hidden states the gate reads: the layer's own, or a ``previous_layer`` gate's."""
-    gate_mod = module.kv_gate
-    if not (gate_mod.config.previous_layer and gate_mod.previous is not None):
+    """The hidden states the gate reads: the layer's own, or (``previous_layer``) the previous
+    layer's input over the same positions (its first ``n``: a policy may see a prefix of the
+    forward, as the masked evaluation's context columns)."""
+    if not module.kv_gate.config.previous_layer or module.layer_idx == 0:
         return hidden
-    prev_hidden = previous_hidden
-    if prev_hidden is None:
-        prev_hidden = context(gate_mod.previous).get("hidden")
-    if prev_hidden is not None and prev_hidden.shape[:2] == hidden.shape[:2]:
-        return prev_hidden
+    prev = previous_hidden
+    b, n = hidden.shape[:2]
+    if prev is not None and prev.shape[0] == b and prev.shape[1] >= n:
+        return prev[:, :n]
     return hidden
 
 
@@ -117,14 +111,15 @@ def forced_tokens(cfg: GateConfig, valid: Tensor, counted: Tensor, prompt: Tenso
 
 
 def gated_layer_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor,
-                          attention_mask: Tensor | None, scaling: float | None = None,
-                          ctx: dict | None = None, **_: object):
+                          attention_mask: Tensor | None, scaling: float | None,
+                          context: ForwardContext, **_: object):
     """Gated attention for one layer; returns (output [B, n, H, d], None) like transformers'."""
-    slot = module.kv_gate.__dict__.get("prefix")
-    if slot is not None:  # one-shot training's two passes (kvgate.gate.prefix)
+    router = context.router
+    if router.prefix is not None and module.layer_idx in router.prefix:
+        # one-shot training's two passes (kvgate.gate.prefix)
         from kvgate.gate.prefix import prefix_attention
 
-        return prefix_attention(module, slot, query, key, value, scaling, ctx or {})
+        return prefix_attention(module, query, key, value, scaling, context)
     b, _, n, _ = query.shape
     if key.shape[2] != n:
         # A plain cache holding earlier tokens: the gate defines eviction at prefill only, and a
@@ -133,16 +128,19 @@ def gated_layer_attention(module: nn.Module, query: Tensor, key: Tensor, value: 
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
         return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling)
-    ctx = ctx or {}
-    valid = valid_tokens(attention_mask, b, n, query.device)
-    record = compute_gate(module, ctx.get("hidden"), ctx.get("position_embeddings"), valid,
-                          module.kv_gate.prompt_mask)
-    module.kv_gate.last = record
+    # the cache's reading of the mask (a padding query does not see itself): training and a
+    # cached prefill agree on which tokens are real
+    valid = new_token_validity(attention_mask, b, n, query.device)
+    call = context.call(module.layer_idx)
+    record = compute_gate(module, call.hidden, call.position_embeddings, valid,
+                          router.prompt_mask,
+                          previous_hidden=context.call(module.layer_idx - 1).hidden)
+    router.records[module.layer_idx] = record
     allowed = None if attention_mask is None else attention_mask
     prompt = None
     if module.kv_gate.config.prefill == "full":
         # one-shot: without a marked prompt the whole input is the prompt, encoded in full
-        prompt = module.kv_gate.prompt_mask
+        prompt = router.prompt_mask
         if prompt is None:
             prompt = torch.ones(b, n, dtype=torch.bool, device=query.device)
     out = gated_attention(query, key, value, record.gate, allowed, scaling=scaling,

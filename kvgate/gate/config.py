@@ -6,6 +6,7 @@ from dataclasses import asdict, dataclass, fields
 from typing import Any, Literal, get_args
 
 from kvgate.attention.kernels import KERNELS, AttentionKernel
+from kvgate.errors import KVGateError
 
 GateMode = Literal["causal", "prompt_bidirectional"]
 GateTarget = Literal["kv", "query"]
@@ -13,7 +14,7 @@ GatePrefill = Literal["gated", "full"]
 GateKernel = AttentionKernel  # the kernel names live beside the kernels
 
 
-class ConfigError(ValueError):
+class ConfigError(KVGateError, ValueError):
     """A configuration value is out of range or unknown; the message names the key."""
 
 

@@ -7,11 +7,19 @@ from torch import Tensor, nn
 
 from kvgate.gate.config import GateConfig
 from kvgate.gate.patch import gate_modules
+from kvgate.models import dispatch
 
 
 def gate_records(model: nn.Module):
     """(layer index, record) of every gated layer that ran in the last forward."""
-    return [(i, g.last) for i, g in enumerate(gate_modules(model)) if g.last is not None]
+    router = dispatch.router(model)
+    return [] if router is None else sorted(router.records.items())
+
+
+def last_flags(model: nn.Module) -> list[Tensor]:
+    """The straight-through keep flags ``[B, H_gate, n]`` of every gated layer in the last
+    forward, in layer order."""
+    return [record.gate for _, record in gate_records(model)]
 
 
 def retention_stats(model: nn.Module) -> dict[str, Tensor]:
@@ -66,5 +74,6 @@ def eviction_loss(model: nn.Module, config: GateConfig | None = None,
 
 def clear_records(model: nn.Module) -> None:
     """Drop the stored flags (they hold the autograd graph of the last forward)."""
-    for g in gate_modules(model):
-        g.__dict__["last"] = None
+    router = dispatch.router(model)
+    if router is not None:
+        router.records.clear()

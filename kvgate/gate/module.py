@@ -8,7 +8,9 @@ import math
 import torch
 from torch import Tensor, nn
 
+from kvgate.gate.apply import gated_layer_attention
 from kvgate.gate.config import GateConfig
+from kvgate.models.dispatch import ForwardContext, GatedRoute, Router
 
 
 def straight_through(scores: Tensor, gamma: float, tau: float) -> Tensor:
@@ -33,7 +35,7 @@ def _gate_rotary(cos: Tensor, sin: Tensor, dim: int) -> tuple[Tensor, Tensor]:
     return cos.index_select(-1, idx), sin.index_select(-1, idx)
 
 
-class AttentionGate(nn.Module):
+class AttentionGate(GatedRoute):
     """MHA' of the paper: ``h'`` heads of size ``d'`` over the layer input, projected to one
     score per gated head (the model's KV heads by default).
 
@@ -89,6 +91,15 @@ class AttentionGate(nn.Module):
         eviction dialled without retraining)."""
         s = self.scores(hidden, position_embeddings, attend)
         return straight_through(s, self.config.gamma, self.config.tau if tau is None else tau)
+
+    def routes(self, router: Router) -> bool:
+        # a stored prompt (one-shot training's two passes) is read also with the gates open
+        return self.active or router.prefix is not None
+
+    def gated_attend(self, module: nn.Module, query: Tensor, key: Tensor, value: Tensor,
+                     attention_mask: Tensor | None, scaling: float | None,
+                     context: ForwardContext, **kwargs) -> tuple[Tensor, None]:
+        return gated_layer_attention(module, query, key, value, attention_mask, scaling, context)
 
     def extra_repr(self) -> str:
         return (f"heads={self.heads}, head_dim={self.head_dim}, out_heads={self.out_heads}, "

@@ -53,19 +53,15 @@ def patch(model: nn.Module, config: GateConfig | None = None) -> nn.Module:
         raise ConfigError(f"GateConfig.head_dim: {gate_dim} exceeds this model's rotary "
                           f"dimension {rotary}; use head_dim <= {rotary} or rope: false")
     dispatch.install(model)
-    previous = None
     for module in dispatch.attention_modules(model):
         existing = getattr(module, "kv_gate", None)
         if existing is None or existing.config != config:
             device = module.q_proj.weight.device if hasattr(module.q_proj, "weight") else None
             gate = AttentionGate(cfg.hidden_size, out_heads, config, head_dim)
             module.kv_gate = gate.to(device=device, dtype=torch.float32)
-        gate = module.kv_gate
-        gate.__dict__["previous"] = previous  # not a submodule: no duplicate parameters
-        gate.__dict__["prompt_mask"] = None
-        gate.__dict__["last"] = None
-        gate.__dict__["prefix"] = None  # a PrefixSlot while one-shot training's passes run
-        previous = module
+    router = dispatch.router(model)
+    router.records.clear()
+    router.prompt_mask, router.prefix = None, None
     return model
 
 
@@ -109,14 +105,12 @@ def prompt_segment(model: nn.Module, prompt_mask: Tensor | None) -> Iterator[Non
     over the prompt only; with ``prefill="full"`` the prompt attends fully and only later tokens
     read the gated prompt. In both, tokens after the prompt are never gated; a causal eq. 5 gate
     (the default) ignores the mark."""
-    gates = gate_modules(model)
-    for g in gates:
-        g.__dict__["prompt_mask"] = prompt_mask
+    router = dispatch.install(model)
+    before, router.prompt_mask = router.prompt_mask, prompt_mask
     try:
         yield
     finally:
-        for g in gates:
-            g.__dict__["prompt_mask"] = None
+        router.prompt_mask = before
 
 
 def set_gates_trainable(model: nn.Module, trainable: bool = True) -> list[nn.Parameter]:

@@ -20,7 +20,7 @@ import torch
 from torch import Tensor, nn
 
 from kvgate.attention.gated import gated_attention
-from kvgate.gate.patch import gate_modules
+from kvgate.models import dispatch
 
 
 @dataclass
@@ -58,16 +58,15 @@ def encoded_prompt(model: nn.Module, prompt_ids: Tensor) -> Iterator[Tensor]:
     """Run the prompt ``[B, P]`` once without autograd and yield the last prompt position's
     logits ``[B, 1, V]``; inside the block, a forward of the continuation (``position_ids``
     starting at P) reads the stored prompt in every gated layer."""
-    gates = gate_modules(model)
-    for g in gates:
-        g.__dict__["prefix"] = PrefixSlot()
+    router = dispatch.install(model)
+    router.prefix = {m.layer_idx: PrefixSlot() for m in dispatch.attention_modules(model)
+                     if isinstance(getattr(m, dispatch.GATE_ATTR, None), nn.Module)}
     try:
         with torch.no_grad():
             last = model(input_ids=prompt_ids, use_cache=False, logits_to_keep=1).logits
         yield last
     finally:
-        for g in gates:
-            g.__dict__["prefix"] = None
+        router.prefix = None
 
 
 def continuation_positions(prompt_len: int, continuation_ids: Tensor) -> Tensor:
@@ -77,14 +76,17 @@ def continuation_positions(prompt_len: int, continuation_ids: Tensor) -> Tensor:
     return pos[None].expand(b, c)
 
 
-def prefix_attention(module: nn.Module, slot: PrefixSlot, query: Tensor, key: Tensor,
-                     value: Tensor, scaling: float | None, ctx: dict):
+def prefix_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor,
+                     scaling: float | None, context: dispatch.ForwardContext):
     """One gated layer in either pass; returns (output [B, n, H, d], None) like transformers'."""
     from kvgate.gate.apply import compute_gate
 
     gate_mod = module.kv_gate
+    slots = context.router.prefix
+    slot = slots[module.layer_idx]
     if slot.key is None:  # the prompt pass: full attention, as a one-shot prefill encodes it
-        slot.hidden, slot.position_embeddings = ctx.get("hidden"), ctx.get("position_embeddings")
+        call = context.call(module.layer_idx)
+        slot.hidden, slot.position_embeddings = call.hidden, call.position_embeddings
         slot.key, slot.value = key, value
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
@@ -95,13 +97,11 @@ def prefix_attention(module: nn.Module, slot: PrefixSlot, query: Tensor, key: Te
     prompt = torch.zeros(b, p + c, dtype=torch.bool, device=device)
     prompt[:, :p] = True
     if gate_mod.active:
-        previous = None
-        if gate_mod.config.previous_layer and gate_mod.previous is not None:
-            previous = gate_mod.previous.kv_gate.prefix.hidden
+        previous = slots.get(module.layer_idx - 1)
         on_prompt = prompt[:, :p]
         record = compute_gate(module, slot.hidden, slot.position_embeddings, on_prompt,
-                              on_prompt, previous_hidden=previous)
-        gate_mod.last = record
+                              on_prompt, previous_hidden=None if previous is None else previous.hidden)
+        context.router.records[module.layer_idx] = record
         flags = torch.cat([record.gate, record.gate.new_ones(b, record.gate.shape[1], c)], -1)
     else:  # gates open (the distillation teacher): every prompt entry visible
         flags = torch.ones(b, gate_mod.out_heads, p + c, device=device)

@@ -14,8 +14,13 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from kvgate.attention.masks import left_pad
 from kvgate.cache import CompressedCache
+from kvgate.inference.compress import CompressedContext
+from kvgate.inference.compress import answer as answer_questions
+from kvgate.inference.compress import compress as compress_contexts
 from kvgate.models import dispatch
+from kvgate.models.limits import context_limit, fit_to_context, quiet_length_warning
 from kvgate.policies.base import Budget, Policy, PolicyError
 
 ATTN_BACKENDS = ("sdpa", "flash")
@@ -81,7 +86,7 @@ class Engine:
     """Prefill + decode of a (possibly gated) causal LM under one eviction policy.
 
     Args:
-        model: a LLaMA/Mistral causal LM (``kvgate.models.load_base`` or ``load_gated``).
+        model: a LLaMA, Mistral or Qwen causal LM (``kvgate.models.load_base`` or ``load_gated``).
         tokenizer: its tokenizer (prompts are left padded).
         policy: a ``Policy`` or a registered name (``policy_options`` then go to it).
         budget: prompt entries kept per KV head (ratio or tokens, see ``Budget``).
@@ -89,11 +94,14 @@ class Engine:
             ``CompressedCache``).
         attn: "sdpa" (policies may compute attention scores) or "flash" (fused attention
             only; policies that need attention scores are refused).
+        truncate: a prompt longer than the model's context (with the tokens to generate) is
+            cut to its end, with a warning; by default it is refused (``InputTooLongError``).
     """
 
     def __init__(self, model: nn.Module, tokenizer: Any, policy: Policy | str,
                  budget: Budget | float | str, decode_budget: float | None = None,
-                 attn: str = "sdpa", policy_options: dict[str, Any] | None = None) -> None:
+                 attn: str = "sdpa", policy_options: dict[str, Any] | None = None,
+                 truncate: bool = False) -> None:
         if attn not in ATTN_BACKENDS:
             raise PolicyError(f"attention backend must be one of {', '.join(ATTN_BACKENDS)}, "
                               f"got {attn!r}")
@@ -104,12 +112,14 @@ class Engine:
         if policy.needs_attention and attn == "flash":
             raise PolicyError(f"policy {policy.name!r} needs attention scores, which the "
                               "'flash' backend cannot give; use --attn sdpa")
-        self.model = dispatch.install(model)
-        self.tokenizer = tokenizer
+        dispatch.install(model)
+        self.model = model
+        self.tokenizer = quiet_length_warning(tokenizer)
         self.policy = policy
         self.budget = Budget.parse(budget)
         self.decode_budget = decode_budget
         self.attn = attn
+        self.truncate = truncate
         self.new_cache()  # validates decode_budget and the policy against the model now
 
     @property
@@ -134,21 +144,18 @@ class Engine:
                          use_cache=True)
         return out.logits, cache
 
-    def encode(self, prompts: list[str] | str) -> tuple[Tensor, Tensor]:
-        """Tokenise with left padding: ``(input_ids [B, n], attention_mask [B, n])``."""
+    def encode(self, prompts: list[str] | str, reserve: int = 0) -> tuple[Tensor, Tensor]:
+        """Tokenise with left padding: ``(input_ids [B, n], attention_mask [B, n])``. Each
+        prompt plus ``reserve`` new tokens must fit the model's context (see ``truncate``)."""
         prompts = [prompts] if isinstance(prompts, str) else list(prompts)
         if not prompts or any(not isinstance(p, str) or not p for p in prompts):
             raise PolicyError("prompts must be a non-empty list of non-empty strings")
         tok = self.tokenizer
-        side = getattr(tok, "padding_side", "right")
         if getattr(tok, "pad_token", None) is None:
             tok.pad_token = tok.eos_token
-        tok.padding_side = "left"
-        try:
-            enc = tok(prompts, return_tensors="pt", padding=True)
-        finally:
-            tok.padding_side = side
-        return enc["input_ids"], enc["attention_mask"]
+        rows = fit_to_context([tok(p)["input_ids"] for p in prompts],
+                              context_limit(self.model.config), reserve, self.truncate)
+        return left_pad(rows, tok.pad_token_id)
 
     @torch.no_grad()
     def generate(self, prompts: list[str] | str, max_new_tokens: int = 32, greedy: bool = True,
@@ -158,7 +165,7 @@ class Engine:
             raise PolicyError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
         if not greedy and temperature <= 0:
             raise PolicyError(f"temperature must be > 0 for sampling, got {temperature}")
-        ids, mask = self.encode(prompts)
+        ids, mask = self.encode(prompts, reserve=max_new_tokens)
         ids, mask = ids.to(self.device), mask.to(self.device)
         gen = torch.Generator(device=self.device)
         if seed is not None:
@@ -224,6 +231,15 @@ class Engine:
         )
         prompt_ids = [row[m.bool()].tolist() for row, m in zip(ids, mask[:, :ids.shape[1]])]
         return GenerationResult(texts, token_ids, stats, prompt_ids)
+
+    def compress(self, contexts: str | list[str], chat: bool = True) -> CompressedContext:
+        """Prefill and compress ``contexts`` (no question) once; see ``kvgate.inference.compress``."""
+        return compress_contexts(self, contexts, chat=chat)
+
+    def answer(self, compressed: CompressedContext, questions: list[str],
+               max_new_tokens: int = 32, answer_prefix: str | None = None) -> list[str]:
+        """Answer each question over its own fork of ``compressed`` (greedy)."""
+        return answer_questions(self, compressed, questions, max_new_tokens, answer_prefix)
 
 
 def _positions(mask: Tensor) -> Tensor:

@@ -1,35 +1,105 @@
 """One attention implementation, registered with transformers, that routes each call.
 
 Instead of copying modeling files, kvgate registers an attention function named ``"kvgate"``
-in transformers' ``AttentionInterface`` and switches the model to it. A forward pre-hook on
-every attention module records what the attention function cannot see from its arguments:
-the normalised layer input (the gate reads it) and the cache object of this forward.
+in transformers' ``AttentionInterface`` and switches the model to it (``install``).
 
-Routing, per call:
-1. the cache of this forward handles attention itself (``CompressedCache``: prefill with a
-   policy, decode over the ragged store) -> ``cache.attend(...)``;
-2. the module carries an active Attention-Gate -> gated attention (training, masked eval);
-3. otherwise plain SDPA, so an installed-but-idle model equals the original.
+State, passed explicitly:
+- a ``Router`` per installed model holds what lasts across forwards (hook handles, the
+  attention implementation to restore, an observer, the gate's session settings);
+- a ``ForwardContext`` is created when a forward of the decoder starts and is handed down
+  through transformers' own keyword arguments (``kvgate_context``) to every decoder layer,
+  attention module and attention call; it records what the attention function cannot see
+  from its arguments (each layer's normalised input, rotary tables and cache) and is dropped
+  with the forward's other locals when the forward returns.
+
+Routing, per attention call (``kvgate_attention``), in this order:
+1. the forward's cache computes attention itself (an ``AttentionHandler``, e.g.
+   ``CompressedCache``: prefill with a policy, decode over the ragged store);
+2. the layer carries an Attention-Gate that wants this call (a ``GatedRoute``: training,
+   masked evaluation);
+3. plain SDPA, so an installed-but-idle model computes exactly as the original.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-from torch import nn
+from torch import Tensor, nn
 from transformers import AttentionInterface, AttentionMaskInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import sdpa_mask
 
 IMPL = "kvgate"
-_HOOK_ATTR = "_kvgate_hook"
-_CTX_ATTR = "_kvgate_ctx"
-_PREV_IMPL_ATTR = "_kvgate_prev_attn_impl"
-_TAP_ATTR = "_kvgate_tap"
-_CLEAR_ATTR = "_kvgate_clear_hook"
+CONTEXT_KWARG = "kvgate_context"  # the keyword the context travels under
+ROUTER_ATTR = "kvgate_router"  # the decoder's attribute holding its Router
+GATE_ATTR = "kv_gate"  # where a gate hangs on an attention module (names its parameters)
+
+
+@dataclass
+class LayerCall:
+    """What one attention module's forward received besides q/k/v (recorded by a pre-hook)."""
+
+    hidden: Tensor | None  # [B, n, D] the normalised layer input (what a gate reads)
+    position_embeddings: tuple[Tensor, Tensor] | None  # rotary (cos, sin) of this forward
+    cache: Any  # this forward's past_key_values
+
+
+@dataclass
+class ForwardContext:
+    """The state of one forward: every layer's ``LayerCall`` so far, and the router."""
+
+    router: Router
+    calls: dict[int, LayerCall] = field(default_factory=dict)
+
+    def call(self, layer_idx: int) -> LayerCall:
+        return self.calls.get(layer_idx) or LayerCall(None, None, None)
+
+
+class AttentionHandler:
+    """A cache that computes its layers' attention itself (``CompressedCache``): the router
+    hands it every attention call of a forward that carries it as ``past_key_values``."""
+
+    def attend(self, module: nn.Module, query: Tensor, key: Tensor, value: Tensor,
+               attention_mask: Tensor | None, scaling: float | None = None,
+               hidden: Tensor | None = None, position_embeddings: Any = None,
+               **kwargs: Any) -> tuple[Tensor, None]:
+        """query [B, H, r, d], key/value [B, H_kv, r, d] post-RoPE, hidden [B, r, D] (the
+        layer's normalised input). Returns ``(out [B, r, H, d], None)`` like transformers'."""
+        raise NotImplementedError
+
+
+class GatedRoute(nn.Module):
+    """A module hung on an attention module as ``kv_gate`` that may take over its attention
+    (the Attention-Gate)."""
+
+    def routes(self, router: Router) -> bool:
+        """Whether this layer's attention goes through ``gated_attend`` now."""
+        raise NotImplementedError
+
+    def gated_attend(self, module: nn.Module, query: Tensor, key: Tensor, value: Tensor,
+                     attention_mask: Tensor | None, scaling: float | None,
+                     context: ForwardContext, **kwargs: Any) -> tuple[Tensor, None]:
+        raise NotImplementedError
+
+
+Tap = Callable[[nn.Module, Tensor, Tensor, Tensor, "Tensor | None", "float | None", LayerCall],
+               None]
+
+
+@dataclass
+class Router:
+    """What an installed model keeps across forwards."""
+
+    handles: list[Any] = field(default_factory=list)  # hook handles, removed by uninstall
+    restore: list[tuple[Any, str]] = field(default_factory=list)  # (config, previous impl)
+    tap: Tap | None = None  # an observer of every attention call (warm-start labels, analysis)
+    # the gate's session settings, written by kvgate.gate (typed there):
+    prompt_mask: Tensor | None = None  # [B, n] bool: the prompt of the coming forwards
+    prefix: dict[int, Any] | None = None  # one-shot training's stored prompt, per layer
+    records: dict[int, Any] = field(default_factory=dict)  # the last forward's gate decisions
 
 
 def attention_modules(model: nn.Module) -> list[nn.Module]:
@@ -38,44 +108,58 @@ def attention_modules(model: nn.Module) -> list[nn.Module]:
     return sorted(found, key=lambda m: m.layer_idx)
 
 
-def _record_context(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
-    hidden = kwargs.get("hidden_states", args[0] if args else None)
-    module.__dict__[_CTX_ATTR] = {
-        "hidden": hidden,
-        "cache": kwargs.get("past_key_values"),
-        "position_embeddings": kwargs.get("position_embeddings"),
-    }
+def _decoder(model: nn.Module) -> nn.Module | None:
+    """The module whose forward runs the decoder layers (LlamaModel and kin)."""
+    attn = set(map(id, attention_modules(model)))
+    for m in model.modules():
+        layers = getattr(m, "layers", None)
+        if isinstance(layers, nn.ModuleList) and any(
+                id(getattr(layer, "self_attn", None)) in attn for layer in layers):
+            return m
+    return None
 
 
-def _clear_contexts(model: nn.Module, *_: Any) -> None:
-    # the recorded hidden states and cache reference are only needed during the forward;
-    # dropping them afterwards frees activations (~0.3 GB for SmolLM2 at 4k) and the cache
-    for module in attention_modules(model):
-        module.__dict__.pop(_CTX_ATTR, None)
+def router(model: nn.Module) -> Router | None:
+    """The router of an installed model (None when kvgate is not installed)."""
+    decoder = _decoder(model)
+    return None if decoder is None else getattr(decoder, ROUTER_ATTR, None)
 
 
-def context(module: nn.Module) -> dict[str, Any]:
-    return module.__dict__.get(_CTX_ATTR, {})
+def _begin_forward(decoder: nn.Module, args: tuple, kwargs: dict):
+    # a fresh context per forward, handed down through transformers' **kwargs; the router is
+    # read from the decoder itself so that a copied model uses its own
+    kwargs[CONTEXT_KWARG] = ForwardContext(getattr(decoder, ROUTER_ATTR))
+    return args, kwargs
 
 
-def kvgate_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
-                     value: torch.Tensor, attention_mask: torch.Tensor | None,
-                     scaling: float | None = None, dropout: float = 0.0, **kwargs):
-    ctx = context(module)
-    tap = module.__dict__.get(_TAP_ATTR)
-    if tap is not None:  # observers (warm-start labels, analysis) see q/k/v, change nothing
-        tap(module, query, key, value, attention_mask, scaling, ctx)
-    cache = ctx.get("cache")
-    if cache is not None and getattr(cache, "handles_attention", False):
-        return cache.attend(module, query, key, value, attention_mask, scaling=scaling,
-                            hidden=ctx.get("hidden"), **kwargs)
-    gate = getattr(module, "kv_gate", None)
-    # a stored prompt (one-shot training's two passes) is read also with the gates open
-    if gate is not None and (gate.active or gate.__dict__.get("prefix") is not None):
-        from kvgate.gate.apply import gated_layer_attention
+def _record_call(router_: Router, module: nn.Module, args: tuple, kwargs: dict):
+    context = kwargs.get(CONTEXT_KWARG)
+    if context is None:  # the attention module called on its own, outside a decoder forward
+        context = kwargs[CONTEXT_KWARG] = ForwardContext(router_)
+    context.calls[module.layer_idx] = LayerCall(
+        kwargs.get("hidden_states", args[0] if args else None),
+        kwargs.get("position_embeddings"), kwargs.get("past_key_values"))
+    return args, kwargs
 
-        return gated_layer_attention(module, query, key, value, attention_mask,
-                                     scaling=scaling, ctx=ctx, **kwargs)
+
+def kvgate_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor,
+                     attention_mask: Tensor | None, scaling: float | None = None,
+                     dropout: float = 0.0, **kwargs):
+    context: ForwardContext | None = kwargs.pop(CONTEXT_KWARG, None)
+    if context is None:  # not installed on this model: behave as SDPA
+        return sdpa_attention_forward(module, query, key, value, attention_mask,
+                                      scaling=scaling, dropout=dropout, **kwargs)
+    call = context.call(module.layer_idx)
+    if context.router.tap is not None:  # observers see q/k/v and change nothing
+        context.router.tap(module, query, key, value, attention_mask, scaling, call)
+    if isinstance(call.cache, AttentionHandler):
+        return call.cache.attend(module, query, key, value, attention_mask, scaling=scaling,
+                                 hidden=call.hidden, position_embeddings=call.position_embeddings,
+                                 context=context, **kwargs)
+    gate = getattr(module, GATE_ATTR, None)
+    if isinstance(gate, GatedRoute) and gate.routes(context.router):
+        return gate.gated_attend(module, query, key, value, attention_mask, scaling, context,
+                                 **kwargs)
     return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling,
                                   dropout=dropout, **kwargs)
 
@@ -94,48 +178,48 @@ def _configs(model: nn.Module) -> list[Any]:
     return out
 
 
-@contextmanager
-def tapped(model: nn.Module, tap) -> Iterator[None]:
-    """Call ``tap(module, query, key, value, attention_mask, scaling, ctx)`` on every attention
-    call inside the block (post-RoPE q/k as the attention sees them)."""
-    install(model)
-    modules = attention_modules(model)
-    for m in modules:
-        m.__dict__[_TAP_ATTR] = tap
-    try:
-        yield
-    finally:
-        for m in modules:
-            m.__dict__.pop(_TAP_ATTR, None)
-
-
-def install(model: nn.Module) -> nn.Module:
-    """Route the model's attention through ``kvgate_attention`` (idempotent)."""
+def install(model: nn.Module) -> Router:
+    """Route the model's attention through ``kvgate_attention`` (idempotent); its Router."""
+    decoder = _decoder(model)
+    if decoder is None:
+        raise ValueError(f"{type(model).__name__}: no decoder with attention layers found")
+    existing = getattr(decoder, ROUTER_ATTR, None)
+    if existing is not None:
+        return existing
+    new = Router()
     for cfg in _configs(model):
         if cfg._attn_implementation != IMPL:
-            cfg.__dict__[_PREV_IMPL_ATTR] = cfg._attn_implementation
+            new.restore.append((cfg, cfg._attn_implementation))
             cfg._attn_implementation = IMPL
+    new.handles.append(decoder.register_forward_pre_hook(_begin_forward, with_kwargs=True))
     for module in attention_modules(model):
-        if _HOOK_ATTR not in module.__dict__:
-            module.__dict__[_HOOK_ATTR] = module.register_forward_pre_hook(
-                _record_context, with_kwargs=True)
-    if _CLEAR_ATTR not in model.__dict__:
-        model.__dict__[_CLEAR_ATTR] = model.register_forward_hook(_clear_contexts)
-    return model
+        new.handles.append(module.register_forward_pre_hook(
+            lambda m, a, k: _record_call(new, m, a, k), with_kwargs=True))
+    setattr(decoder, ROUTER_ATTR, new)
+    return new
 
 
 def uninstall(model: nn.Module) -> nn.Module:
     """Undo ``install``: original attention implementation, hooks removed."""
-    for cfg in _configs(model):
-        prev = cfg.__dict__.pop(_PREV_IMPL_ATTR, None)
-        if prev is not None:
-            cfg._attn_implementation = prev
-    clear = model.__dict__.pop(_CLEAR_ATTR, None)
-    if clear is not None:
-        clear.remove()
-    for module in attention_modules(model):
-        handle = module.__dict__.pop(_HOOK_ATTR, None)
-        if handle is not None:
-            handle.remove()
-        module.__dict__.pop(_CTX_ATTR, None)
+    decoder = _decoder(model)
+    found = None if decoder is None else getattr(decoder, ROUTER_ATTR, None)
+    if found is None:
+        return model
+    for cfg, previous in found.restore:
+        cfg._attn_implementation = previous
+    for handle in found.handles:
+        handle.remove()
+    delattr(decoder, ROUTER_ATTR)
     return model
+
+
+@contextmanager
+def tapped(model: nn.Module, tap: Tap) -> Iterator[None]:
+    """Call ``tap(module, query, key, value, attention_mask, scaling, call)`` on every attention
+    call inside the block (post-RoPE q/k as the attention sees them; ``call`` a LayerCall)."""
+    found = install(model)
+    before, found.tap = found.tap, tap
+    try:
+        yield
+    finally:
+        found.tap = before

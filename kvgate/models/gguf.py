@@ -154,7 +154,7 @@ def _check_model(reference_logits: torch.Tensor, ids: torch.Tensor, folder: Path
                  tokenizer: Any, max_perplexity: float) -> float:
     from transformers import AutoModelForCausalLM
 
-    from kvgate.eval.perplexity import SAMPLE_PASSAGES, perplexity
+    from kvgate.models.perplexity import SAMPLE_PASSAGES, perplexity
 
     reloaded = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     with torch.no_grad():

@@ -30,6 +30,50 @@ from kvgate.models.errors import ModelLoadError
 from kvgate.models.gguf import EMBEDDED, cache_root, convert_gguf, is_converted, prepare_embedded
 
 
+def check_device(device: str | torch.device) -> torch.device:
+    """``device`` as a ``torch.device``, checked to exist on this machine before any weights are
+    read: an unknown name, a CUDA device on a CPU-only torch, or a GPU index past the last one
+    raises ``ModelLoadError`` in one line (torch itself fails late, in a long traceback)."""
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError, ValueError):
+        raise ModelLoadError(f"device {str(device)!r} is not a device torch knows; use cpu, "
+                             "cuda, cuda:N or mps") from None
+    if dev.type == "cpu":
+        return dev
+    backend = torch.backends.mps if dev.type == "mps" else getattr(torch, dev.type, None)
+    available = getattr(backend, "is_available", None)
+    if available is None or not available():
+        why = ("this torch is built without CUDA (CPU only)"
+               if dev.type == "cuda" and torch.version.cuda is None and torch.version.hip is None
+               else f"no {dev.type} device is available here")
+        raise ModelLoadError(f"device {str(device)!r}: {why}; use --device cpu")
+    count = getattr(backend, "device_count", None)
+    if dev.index is not None and count is not None and dev.index >= count():
+        raise ModelLoadError(f"device {str(device)!r}: this machine has {count()} {dev.type} "
+                             f"device(s), numbered from 0")
+    return dev
+
+
+def weights_fingerprint(name_or_path: str | os.PathLike) -> str | None:
+    """A short digest of a local model folder's weights (file names and sizes) and config, so
+    that results of a folder whose weights were replaced are not taken for its old ones; None
+    for a hub id (its name is its identity)."""
+    name_or_path = os.fspath(name_or_path)
+    if name_or_path not in EMBEDDED and not _looks_like_path(name_or_path):
+        return None
+    folder = Path(resolve_model_id(name_or_path))
+    if not folder.is_dir():
+        return None
+    digest = hashlib.sha256()
+    for path in sorted(folder.iterdir()):
+        if path.name == "config.json":
+            digest.update(path.read_bytes())
+        elif path.suffix in (".safetensors", ".bin", ".gguf"):
+            digest.update(f"{path.name}|{path.stat().st_size}".encode())
+    return digest.hexdigest()[:16]
+
+
 def _looks_like_path(name: str) -> bool:
     return name.startswith(("/", "./", "../", "~")) or os.path.exists(os.path.expanduser(name))
 
@@ -122,9 +166,11 @@ def load_base(name_or_path: str | os.PathLike, dtype: torch.dtype | str = torch.
     model_kwargs: passed to ``from_pretrained`` (``quantization_config``,
     ``attn_implementation``...). A quantised model is placed with ``device_map``, because
     bitsandbytes models cannot be moved with ``.to`` after loading.
-    The tokenizer always has a pad token (the EOS token if it had none).
+    The tokenizer always has a pad token (the EOS token if it had none). A device that does
+    not exist here is refused (``check_device``) before anything is read.
     """
     name_or_path, dtype = os.fspath(name_or_path), parse_dtype(dtype)
+    check_device(device)
     if require_supported:
         _check_config_early(name_or_path)
     placed = "device_map" in model_kwargs or "quantization_config" in model_kwargs

@@ -1,13 +1,26 @@
-"""Eviction policies: one file each, one contract (``base.Policy.keep`` -> [B, H_kv, n] mask).
+"""Eviction policies: one file each, one contract (``contract.Policy.keep`` -> [B, H_kv, n] mask,
+extended by ``DecodeEvicting``, ``StreamingPrefill`` and ``EncodeMasking``).
 
 ``get_policy("snapkv", window=32)`` builds one by name; ``list_policies()`` lists the names.
 """
 
 from kvgate.policies.adakv import AdaKV
 from kvgate.policies.ahakv import AhaKV
-from kvgate.policies.base import Budget, LayerPrompt, Policy, PolicyError, ScoredPolicy
+from kvgate.policies.attention_gate import AttentionGatePolicy
+from kvgate.policies.base import ScoredPolicy
+from kvgate.policies.contract import (
+    Budget,
+    DecodeEvicting,
+    EncodeMasking,
+    LayerPrompt,
+    Policy,
+    PolicyError,
+    StreamingPrefill,
+)
 from kvgate.policies.full import Full
+from kvgate.policies.gate_hybrid import GateHybrid
 from kvgate.policies.h2o import H2O
+from kvgate.policies.knorm import KNorm
 from kvgate.policies.nacl import NaCl
 from kvgate.policies.pyramidkv import PyramidKV
 from kvgate.policies.random_keep import RandomKeep
@@ -24,8 +37,13 @@ __all__ = [
     "TOVA",
     "AdaKV",
     "AhaKV",
+    "AttentionGatePolicy",
     "Budget",
+    "DecodeEvicting",
+    "EncodeMasking",
     "Full",
+    "GateHybrid",
+    "KNorm",
     "LayerPrompt",
     "NaCl",
     "Policy",
@@ -36,6 +54,7 @@ __all__ = [
     "ScoredPolicy",
     "SnapKV",
     "Streaming",
+    "StreamingPrefill",
     "Window",
     "get_policy",
     "list_policies",

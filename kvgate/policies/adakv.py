@@ -1,4 +1,11 @@
-"""Ada-KV (spec section 8): adaptive per-head budgets inside a layer, wrapping a score policy.
+"""Ada-KV: adaptive per-head budgets inside a layer, wrapping a score policy.
+
+Paper: "Ada-KV: Optimizing KV Cache Eviction by Adaptive Budget Allocation for Efficient LLM
+Inference" (first version: "Optimizing KV Cache Eviction in LLMs: Adaptive Allocation for
+Enhanced Budget Utilization"), Feng et al. 2024, arXiv:2407.11550. Rule: heads differ in how
+concentrated their attention is, so instead of the same count per head, a layer's budget goes
+to the highest scores of the whole layer (a head with concentrated attention gives up entries
+to one whose attention is spread), with a floor per head.
 
 The inner policy (SnapKV -> Ada-SnapKV, PyramidKV -> Ada-Pyramid, H2O -> Ada-H2O) gives
 per-head scores whose scale is comparable across heads, its forced entries (window / recent)

@@ -1,4 +1,10 @@
-"""AhaKV (spec section 11): step-gain softmax, recent accumulation and a value prior.
+"""AhaKV: step-gain softmax, recent accumulation and a value prior.
+
+Paper: "AhaKV: Adaptive Holistic Attention-Driven KV Cache Eviction for Efficient Inference of
+Large Language Models", Gu et al. 2025, arXiv:2506.03762. Rule: accumulated attention is
+biased toward early tokens, so score each key by the attention of the most recent rows only,
+under a softmax sharpened by how much must be evicted, weighted by its value vector's norm;
+keep the top scores plus the recent rows, and keep accumulating while decoding.
 
 - SG-softmax: the scaled logits ``q.k / sqrt(d)`` are multiplied by
   ``lambda' = sqrt(2 ln(n / B))`` (0 when n <= B) before the softmax. This is the paper's eq. 12
@@ -27,6 +33,7 @@ from torch import Tensor
 
 from kvgate.policies.base import (
     Budget,
+    DecodeEvicting,
     LayerPrompt,
     PolicyError,
     ScoredPolicy,
@@ -65,7 +72,7 @@ def value_weights(value: Tensor, valid: Tensor, kernel: int, count_include_pad: 
 
 
 @dataclass
-class AhaKV(ScoredPolicy):
+class AhaKV(ScoredPolicy, DecodeEvicting):
     """SG-softmax recent accumulation times a value prior; the last ``recent`` are kept."""
 
     recent: int = 32
@@ -76,7 +83,6 @@ class AhaKV(ScoredPolicy):
     gqa: str = "mean"
 
     name = "ahakv"
-    decode_eviction = True
 
     def __post_init__(self) -> None:
         check_int(self.name, "recent", self.recent, 1)

@@ -1,132 +1,42 @@
-"""The one question every eviction policy answers, and the shared pieces they use.
+"""Shared pieces the policies are built from: top-k selection, GQA reduction, attention sums,
+pooling, option checks, seeded draws and the decode-time helpers.
 
-A policy looks at one layer's prompt and returns a boolean keep mask ``[B, H_kv, n]``
-(True = the (token, KV head) entry stays in the cache). Everything downstream (cache
-compaction, decode attention, %Evict) is shared, which is what makes comparisons fair.
-
-Budget meaning, written down once: a budget is the number of prompt entries each KV head
-keeps, given either as a ratio of the *real* (non-padding) prompt length or as an absolute
-token count. Sinks, recent windows and observation windows are *inside* the budget.
-A budget at or above the prompt length keeps everything (no-op).
+The contract itself (``Budget``, ``LayerPrompt``, ``Policy`` and the ``DecodeEvicting`` /
+``StreamingPrefill`` / ``EncodeMasking`` extensions) lives in ``kvgate.policies.contract`` and
+is re-exported here, as are the mask helpers of ``kvgate.attention.masks``.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from abc import abstractmethod
+from dataclasses import fields, is_dataclass
 from typing import Any
 
 import torch
 from torch import Tensor
 
-ROUNDINGS = ("up", "nearest")  # how a ratio budget becomes a whole number of entries
+from kvgate.attention.masks import first_real, last_real, real_index
+from kvgate.policies.contract import (
+    ROUNDINGS,
+    Budget,
+    DecodeEvicting,
+    EncodeMasking,
+    LayerPrompt,
+    Policy,
+    PolicyError,
+    StreamingPrefill,
+    prefill_band,
+)
 
-
-class PolicyError(ValueError):
-    """Bad policy name, option or budget; the message says which."""
-
-
-@dataclass(frozen=True)
-class Budget:
-    """How many prompt entries each KV head keeps: ``ratio`` of the real length or ``tokens``.
-
-    A ratio's count is rounded ``up`` (default: never below the ratio) or to the ``nearest``
-    whole token, which keeps a ratio taken from another policy's eviction unbiased on average
-    (matched budgets: on an 8-token prompt rounding up turns 22% eviction into 12.5%)."""
-
-    ratio: float | None = None
-    tokens: int | None = None
-    rounding: str = "up"
-
-    def __post_init__(self) -> None:
-        if (self.ratio is None) == (self.tokens is None):
-            raise PolicyError("budget: give exactly one of ratio (0, 1] or tokens (>= 1)")
-        if self.rounding not in ROUNDINGS:
-            raise PolicyError(f"budget rounding must be one of {', '.join(ROUNDINGS)}, "
-                              f"got {self.rounding!r}")
-        if self.ratio is not None and not (0.0 < float(self.ratio) <= 1.0):
-            raise PolicyError(f"budget ratio must lie in (0, 1], got {self.ratio}")
-        if self.tokens is not None and (int(self.tokens) != self.tokens or self.tokens < 1):
-            raise PolicyError(f"budget tokens must be an integer >= 1, got {self.tokens}")
-
-    @classmethod
-    def parse(cls, value: float | str | Budget) -> Budget:
-        """``0.5`` -> keep half; ``128`` (an integer > 1) -> keep 128 tokens per head."""
-        if isinstance(value, Budget):
-            return value
-        if isinstance(value, str):
-            try:
-                value = float(value) if any(c in value for c in ".eE") else int(value)
-            except ValueError as exc:
-                raise PolicyError(f"budget {value!r} is neither a ratio nor a token count") from exc
-        if isinstance(value, bool):
-            raise PolicyError(f"budget must be a number, got {value!r}")
-        if isinstance(value, int) and value > 1:
-            return cls(tokens=value)
-        if isinstance(value, int) and value == 1:
-            return cls(ratio=1.0)
-        return cls(ratio=float(value))
-
-    def per_sample(self, n_real: Tensor) -> Tensor:
-        """Kept entries per KV head for each sample: ``[B]`` long, clamped to ``[1, n_real]``."""
-        if self.ratio is not None:
-            exact = n_real.to(torch.float64) * self.ratio
-            kept = (torch.floor(exact + 0.5) if self.rounding == "nearest"
-                    else torch.ceil(exact - 1e-9)).long()
-        else:
-            kept = torch.full_like(n_real, int(self.tokens))
-        return torch.minimum(kept.clamp(min=1), n_real)
-
-    def describe(self) -> str:
-        return f"{self.ratio:g} of the prompt" if self.ratio is not None else f"{self.tokens} tokens"
-
-
-@dataclass
-class LayerPrompt:
-    """What a policy sees of one layer at prefill. Shapes: B batch, H query heads, H_kv KV
-    heads, n prompt length (left padded), d head dim, D hidden size. q/k are post-RoPE."""
-
-    layer_idx: int
-    num_layers: int
-    query: Tensor  # [B, H, n, d]
-    key: Tensor  # [B, H_kv, n, d]
-    value: Tensor  # [B, H_kv, n, d]
-    valid: Tensor  # [B, n] bool; False at left padding
-    scaling: float  # softmax scale (1/sqrt(d) for LLaMA/Mistral)
-    hidden: Tensor | None = None  # [B, n, D] the normalised layer input (learned gate)
-    module: Any = None  # the attention module (gives the learned gate access to kv_gate)
-
-    @property
-    def n_real(self) -> Tensor:
-        return self.valid.sum(-1)
-
-    @property
-    def group(self) -> int:
-        return self.query.shape[1] // self.key.shape[1]
-
-
-class Policy:
-    """Base class. Subclasses are dataclasses with validated options and implement ``keep``.
-
-    ``encode_mask``: True when the policy evicts *inside* the prefill (the learned gate, eq. 5):
-    later prompt rows then attend only to kept entries. Otherwise prefill attention is full and
-    only the stored cache is compressed (SnapKV-style one-shot).
-    ``needs_attention``: True when ``keep`` needs attention probabilities (so the attention
-    backend must be able to produce them).
-    ``decode_eviction``: True when the policy also holds the cache at a budget while decoding.
-    ``budget_free``: True when ``keep`` ignores the budget (the full cache, the thresholded
-    gate); an evaluation then runs it once, not once per budget.
-    """
-
-    name: str = "base"
-    encode_mask: bool = False
-    needs_attention: bool = False
-    decode_eviction: bool = False
-    budget_free: bool = False
-
-    def keep(self, prompt: LayerPrompt, budget: Budget) -> Tensor:
-        """Return ``[B, H_kv, n]`` bool. Padding positions must be False."""
-        raise NotImplementedError
+__all__ = [
+    "ROUNDINGS", "Budget", "DecodeEvicting", "EncodeMasking", "LayerPrompt", "Policy",
+    "PolicyError", "ScoredPolicy", "StreamingPrefill", "attention_sums", "by_position",
+    "causal_probs", "check_choice", "check_decode", "check_int", "check_prompt", "check_share",
+    "decode_probs", "first_real", "gqa_reduce", "keep_all", "last_real", "layer_seed",
+    "make_policy", "option_error", "policy_options", "pool1d", "prefill_band", "real_index", "resolve_share", "seeded_uniform",
+    "select_topk", "stat",
+]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -200,6 +110,22 @@ def option_error(policy: str, option: str, why: str, value: Any) -> PolicyError:
     return PolicyError(f"{policy}.{option}: {why} (got {value!r})")
 
 
+def policy_options(cls: type[Policy]) -> list[str]:
+    """Option names a policy class accepts (its dataclass init fields)."""
+    return [f.name for f in fields(cls) if f.init] if is_dataclass(cls) else []
+
+
+def make_policy(cls: type[Policy], **options: Any) -> Policy:
+    """``cls(**options)`` after checking the option names (unknown option -> PolicyError)."""
+    known = policy_options(cls)
+    unknown = [key for key in options if key not in known]
+    if unknown:
+        accepted = ", ".join(known) if known else "none"
+        raise PolicyError(f"policy {cls.name!r} has no option {unknown[0]!r}; "
+                          f"its options: {accepted}")
+    return cls(**options)
+
+
 def check_int(policy: str, option: str, value: Any, minimum: int = 0) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise option_error(policy, option, f"must be an integer >= {minimum}", value)
@@ -260,12 +186,6 @@ def keep_all(prompt: LayerPrompt) -> Tensor:
     return prompt.valid[:, None, :].expand(b, prompt.key.shape[1], n).clone()
 
 
-def real_index(valid: Tensor) -> Tensor:
-    """Index of each token among the real tokens of its row (``[B, n]`` long; pads before the
-    first real token get -1). Makes sinks independent of how much left padding a row has."""
-    return valid.long().cumsum(-1) - 1
-
-
 def layer_seed(seed: int, layer_idx: int) -> int:
     """One RNG seed per (seed, layer): layers draw independent streams."""
     return (seed * 0x9E3779B1 + layer_idx * 0x85EBCA77 + 0x165667B1) % (2 ** 63 - 1)
@@ -281,19 +201,6 @@ def seeded_uniform(prompt: LayerPrompt, seed: int, dtype: torch.dtype = torch.fl
     u = torch.rand((length, hk), generator=gen, dtype=dtype)
     idx = real_index(prompt.valid).clamp(min=0).cpu()
     return u[idx].permute(0, 2, 1).to(prompt.key.device)
-
-
-def first_real(valid: Tensor, count: Tensor) -> Tensor:
-    """The first ``count`` real tokens: valid [B, n], count [B] or [B, Hk] -> [B, 1|Hk, n]."""
-    count = count.view(valid.shape[0], -1, 1)
-    return valid[:, None, :] & (real_index(valid)[:, None, :] < count)
-
-
-def last_real(valid: Tensor, count: Tensor) -> Tensor:
-    """The last ``count`` real tokens: valid [B, n], count [B] or [B, Hk] -> [B, 1|Hk, n]."""
-    count = count.view(valid.shape[0], -1, 1)
-    n_real = valid.sum(-1).view(-1, 1, 1)
-    return valid[:, None, :] & (real_index(valid)[:, None, :] >= n_real - count)
 
 
 ROW_CHUNK_ELEMS = 1 << 24  # fp32 elements in one row-chunk of attention probabilities (64 MiB)
@@ -425,9 +332,9 @@ class ScoredPolicy(Policy):
 
     needs_attention = True
 
+    @abstractmethod
     def scores(self, prompt: LayerPrompt, budget: Budget | None = None) -> Tensor:
         """``[B, H_kv, n]`` float; higher = keep. Values at padding are meaningless."""
-        raise NotImplementedError
 
     def forced(self, prompt: LayerPrompt, kept: Tensor) -> Tensor:
         """Always-kept entries ``[B, H_kv, n]`` bool for ``kept`` ([B] or [B, H_kv] long) entries

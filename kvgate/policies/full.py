@@ -1,4 +1,5 @@
-"""Full cache: the reference every other policy is measured against (spec section 1)."""
+"""Full cache: every real prompt entry stays; the reference every other policy is measured
+against. No paper (this is no eviction at all): the budget is ignored on purpose."""
 
 from __future__ import annotations
 

@@ -1,4 +1,9 @@
-"""H2O, Heavy-Hitter Oracle (spec section 4): accumulated attention + a recent window.
+"""H2O, Heavy-Hitter Oracle: accumulated attention + a recent window.
+
+Paper: "H2O: Heavy-Hitter Oracle for Efficient Generative Inference of Large Language Models",
+Zhang et al. 2023, arXiv:2306.14048. Rule: a few tokens ("heavy hitters") receive most of the
+attention; keep the tokens with the largest attention summed over every query so far, plus the
+most recent tokens, and keep accumulating (evicting the lowest sum) while decoding.
 
 Score of key j = sum over every query row i >= j of A[i, j] (a column sum of the causal
 matrix, no normalisation), per sample (the reference sums over the batch too, which is wrong
@@ -18,6 +23,7 @@ from torch import Tensor
 
 from kvgate.policies.base import (
     Budget,
+    DecodeEvicting,
     LayerPrompt,
     ScoredPolicy,
     attention_sums,
@@ -35,7 +41,7 @@ from kvgate.policies.base import (
 
 
 @dataclass
-class H2O(ScoredPolicy):
+class H2O(ScoredPolicy, DecodeEvicting):
     """Prefill: top column sums outside the recent window + the window. Decode: keep
     accumulating every new row and evict the argmin outside the recent window."""
 
@@ -43,7 +49,6 @@ class H2O(ScoredPolicy):
     gqa: str = "mean"
 
     name = "h2o"
-    decode_eviction = True
 
     def __post_init__(self) -> None:
         check_share(self.name, "recent", self.recent)

@@ -1,4 +1,10 @@
-"""NaCl (spec section 9): proxy-token scores + random eviction, one shot at encoding.
+"""NaCl: proxy-token scores + random eviction, one shot at encoding.
+
+Paper: "NaCl: A General and Effective KV Cache Eviction Framework for LLMs at Inference Time",
+Chen et al. 2024, arXiv:2408.03675. Rule: score each key by the attention of a few proxy rows
+(the end of the prompt, closest to the question) and keep the top of those scores, but spend a
+share of the budget on entries sampled at random in proportion to their scores, which hedges
+against the proxy's bias; sinks and the last tokens are protected.
 
 ``F_j`` = sum over the proxy rows (the last ``proxy`` prompt tokens, causal) of the attention
 to key j, per head (GQA: ``gqa`` over the group). Per head, the budget ``B`` is split as::

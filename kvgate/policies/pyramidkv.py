@@ -1,4 +1,9 @@
-"""PyramidKV (spec section 7): SnapKV scoring with a budget that shrinks linearly with depth.
+"""PyramidKV: SnapKV scoring with a per-layer budget that shrinks linearly with depth.
+
+Paper: "PyramidKV: Dynamic KV Cache Compression based on Pyramidal Information Funneling",
+Cai et al. 2024, arXiv:2406.02069. Rule: attention is broad in the lower layers and
+concentrated in the upper ones, so lower layers get more of the cache and upper layers less
+(same total); inside a layer the entries are chosen as SnapKV chooses them.
 
 Per sample, with ``base = B - w`` selected entries per head on average and ``n`` real tokens::
 

@@ -1,6 +1,6 @@
 """Random: keep a uniform random subset of ``B`` prompt entries per (layer, KV head).
 
-The floor every scoring rule has to beat: it spends the same budget with no information. The
+No paper: a control. The floor every scoring rule has to beat: it spends the same budget with no information. The
 draw is seeded per (seed, layer) and indexed by each token's index among the real tokens, so a
 left-padded batch keeps exactly what each prompt would keep alone and reruns are identical.
 """

@@ -1,22 +1,20 @@
 """Policy names -> classes, written out by hand (no decorator magic), plus option checking.
 
-The learned Attention-Gate policy lives in ``kvgate.policies.attention_gate`` (written
-separately); it is imported lazily, only when asked for and only if the module exists, so the
-heuristic policies work without it.
+Adding a policy: one file defining a ``Policy`` subclass, one line in ``POLICIES``, one test.
 """
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
-from dataclasses import fields, is_dataclass
 from typing import Any
 
 from kvgate.policies.adakv import AdaKV
 from kvgate.policies.ahakv import AhaKV
-from kvgate.policies.base import Policy, PolicyError
+from kvgate.policies.attention_gate import AttentionGatePolicy
+from kvgate.policies.base import Policy, PolicyError, make_policy, policy_options
 from kvgate.policies.full import Full
+from kvgate.policies.gate_hybrid import GateHybrid
 from kvgate.policies.h2o import H2O
+from kvgate.policies.knorm import KNorm
 from kvgate.policies.nacl import NaCl
 from kvgate.policies.pyramidkv import PyramidKV
 from kvgate.policies.random_keep import RandomKeep
@@ -25,6 +23,9 @@ from kvgate.policies.snapkv import SnapKV
 from kvgate.policies.streaming import Streaming
 from kvgate.policies.tova import TOVA
 from kvgate.policies.window import Window
+
+__all__ = ["POLICIES", "get_policy", "list_policies", "policy_class", "policy_options",
+           "policy_spec"]
 
 POLICIES: dict[str, type[Policy]] = {
     "full": Full,
@@ -39,41 +40,23 @@ POLICIES: dict[str, type[Policy]] = {
     "nacl": NaCl,
     "roco": RoCo,
     "ahakv": AhaKV,
+    "knorm": KNorm,
+    "attention_gate": AttentionGatePolicy,
+    "gate_hybrid": GateHybrid,
 }
-
-# name -> module that defines a Policy subclass whose ``name`` is that name
-LAZY: dict[str, str] = {"attention_gate": "kvgate.policies.attention_gate"}
-
-
-def _module_exists(module: str) -> bool:
-    try:
-        return importlib.util.find_spec(module) is not None
-    except ModuleNotFoundError:
-        return False
 
 
 def list_policies() -> list[str]:
-    """Every policy name that ``get_policy`` accepts right now."""
-    return list(POLICIES) + [name for name, mod in LAZY.items() if _module_exists(mod)]
+    """Every policy name that ``get_policy`` accepts."""
+    return list(POLICIES)
 
 
 def policy_class(name: str) -> type[Policy]:
     """The class registered under ``name`` (case-insensitive); PolicyError if unknown."""
     key = str(name).strip().lower()
-    if key in POLICIES:
-        return POLICIES[key]
-    if key in LAZY and _module_exists(LAZY[key]):
-        module = importlib.import_module(LAZY[key])
-        for obj in vars(module).values():
-            if isinstance(obj, type) and issubclass(obj, Policy) and obj.name == key:
-                return obj
-        raise PolicyError(f"module {LAZY[key]} defines no Policy subclass named {key!r}")
-    raise PolicyError(f"unknown policy {name!r}; known: {', '.join(list_policies())}")
-
-
-def policy_options(cls: type[Policy]) -> list[str]:
-    """Option names a policy class accepts (its dataclass init fields)."""
-    return [f.name for f in fields(cls) if f.init] if is_dataclass(cls) else []
+    if key not in POLICIES:
+        raise PolicyError(f"unknown policy {name!r}; known: {', '.join(POLICIES)}")
+    return POLICIES[key]
 
 
 def policy_spec(policy: Policy) -> dict[str, Any]:
@@ -97,11 +80,4 @@ def policy_spec(policy: Policy) -> dict[str, Any]:
 
 def get_policy(name: str, **options: Any) -> Policy:
     """Build a policy by name with validated options (unknown option -> PolicyError)."""
-    cls = policy_class(name)
-    known = policy_options(cls)
-    unknown = [key for key in options if key not in known]
-    if unknown:
-        accepted = ", ".join(known) if known else "none"
-        raise PolicyError(f"policy {cls.name!r} has no option {unknown[0]!r}; "
-                          f"its options: {accepted}")
-    return cls(**options)
+    return make_policy(policy_class(name), **options)

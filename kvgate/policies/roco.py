@@ -1,4 +1,10 @@
-"""RoCo, Robust Cache Omission (spec section 10; EasyKV policy ``roco``).
+"""RoCo, Robust Cache Omission (EasyKV policy ``roco``).
+
+Paper: "On the Efficacy of Eviction Policy for Key-Value Constrained Generative Language Model
+Inference", Ren and Zhu 2024, arXiv:2402.06262 (code: EasyKV). Rule: an entry's importance is
+the *mean* attention it has received (not the sum, which favours old entries), and only the
+entries whose attention varied least (lowest standard deviation) may be evicted, so a briefly
+important entry is not thrown out; the least important of those goes first.
 
 Three running sums per (layer, KV head, cached entry), with the attention a_ij averaged over
 the GQA group: ``acc = sum a``, ``acc2 = sum a^2``, ``cnt = rows that saw the entry``.
@@ -11,7 +17,7 @@ the GQA group: ``acc = sum a``, ``acc2 = sum a^2``, ``cnt = rows that saw the en
   ``ratio = recent_ratio`` (0.1) while encoding and ``decode_recent_ratio`` (0.3) while decoding;
 - evict the lowest MAS inside the scope (scope filter first, then the argmin).
 
-RoCo evicts while encoding (``stream_prefill``): the prompt goes through in blocks of
+RoCo evicts while encoding (``StreamingPrefill``): the prompt goes through in blocks of
 ``block`` rows and the cache is cut back to capacity after each block. The one-shot ``keep``
 simulates exactly that on the layer's q/k (every block's rows see only the entries still held),
 a fallback approximation of the streamed prefill since later layers' inputs are not
@@ -30,7 +36,7 @@ from torch import Tensor
 from kvgate.policies.base import (
     Budget,
     LayerPrompt,
-    Policy,
+    StreamingPrefill,
     by_position,
     check_decode,
     check_int,
@@ -71,7 +77,7 @@ def roco_keep(mas: Tensor, std: Tensor, valid: Tensor, protected: Tensor, scope:
 
 
 @dataclass
-class RoCo(Policy):
+class RoCo(StreamingPrefill):
     """Evict-while-encoding (blocks) and decode-time eviction by MAS inside a std scope."""
 
     sinks: int = 4
@@ -82,8 +88,6 @@ class RoCo(Policy):
 
     name = "roco"
     needs_attention = True
-    decode_eviction = True
-    stream_prefill = True
 
     def __post_init__(self) -> None:
         check_int(self.name, "sinks", self.sinks, 0)

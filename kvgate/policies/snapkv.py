@@ -1,4 +1,9 @@
-"""SnapKV (spec section 6): an observation window of the last ``w`` prompt rows votes.
+"""SnapKV: an observation window of the last ``w`` prompt rows votes for the entries to keep.
+
+Paper: "SnapKV: LLM Knows What You are Looking for Before Generation", Li et al. 2024,
+arXiv:2404.14469. Rule: the attention the prompt's last rows pay to each earlier key predicts
+what generation will attend to; keep the keys they attend to most (pooled so that neighbours of
+a hit survive with it) plus the window itself. One shot at the prefill; decoding does not evict.
 
 ``s_j`` = the window rows' attention to key j (softmax over the whole causal row in fp32, then
 sliced), aggregated over the GQA group *before* pooling (Ada-KV / KVCache-Factory order; kvpress

@@ -1,6 +1,11 @@
-"""StreamingLLM: attention sinks plus a recent window (spec section 3).
+"""StreamingLLM: attention sinks plus a recent window.
 
-Two variants, because the codebases disagree (spec DIVERGE note):
+Paper: "Efficient Streaming Language Models with Attention Sinks", Xiao et al. 2023,
+arXiv:2309.17453. Rule: the first tokens of the sequence (the attention sinks that absorb
+attention mass) stay forever, the rest of the budget is the most recent tokens; decoding
+evicts the oldest non-sink entry.
+
+Two variants, because the codebases disagree:
 - ``paper``: ``S`` sink tokens (default 4) + the last ``B - S`` tokens (StreamingLLM; the
   AhaKV / RoCo baselines).
 - ``factory``: the first ``B - w`` tokens + the last ``w`` (KVCache-Factory's
@@ -16,8 +21,8 @@ from torch import Tensor
 
 from kvgate.policies.base import (
     Budget,
+    DecodeEvicting,
     LayerPrompt,
-    Policy,
     by_position,
     check_choice,
     check_decode,
@@ -29,7 +34,7 @@ from kvgate.policies.base import (
 
 
 @dataclass
-class Streaming(Policy):
+class Streaming(DecodeEvicting):
     """Sinks + recent. ``sinks`` is used by the paper variant, ``window`` by the factory one."""
 
     variant: str = "paper"
@@ -37,7 +42,6 @@ class Streaming(Policy):
     window: int = 32
 
     name = "streaming"
-    decode_eviction = True
 
     def __post_init__(self) -> None:
         check_choice(self.name, "variant", self.variant, ("paper", "factory"))

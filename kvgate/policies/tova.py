@@ -1,4 +1,8 @@
-"""TOVA, Token Omission Via Attention (spec section 5).
+"""TOVA, Token Omission Via Attention.
+
+Paper: "Transformers are Multi-State RNNs", Oren et al. 2024, arXiv:2401.06104. Rule: when the
+cache is over budget, drop the entry the newest query attends to least (attention averaged
+over the heads); at the prefill, keep the top-``B`` entries by the last prompt row's attention.
 
 The score is the last query row's attention averaged over *all* query heads of the layer, so
 every KV head of a layer keeps the same tokens. No sinks, no window: the whole budget goes
@@ -14,6 +18,7 @@ from torch import Tensor
 
 from kvgate.policies.base import (
     Budget,
+    DecodeEvicting,
     LayerPrompt,
     ScoredPolicy,
     attention_sums,
@@ -42,11 +47,10 @@ def shared_by_position(per_head: Tensor, valid: Tensor, positions: Tensor, group
 
 
 @dataclass
-class TOVA(ScoredPolicy):
+class TOVA(ScoredPolicy, DecodeEvicting):
     """Keep the top-``B`` tokens by the last row's head-averaged attention (shared per layer)."""
 
     name = "tova"
-    decode_eviction = True
 
     def scores(self, prompt: LayerPrompt, budget: Budget | None = None) -> Tensor:
         """``[B, H_kv, n]``: identical rows across KV heads (mean over all query heads)."""

@@ -1,6 +1,8 @@
-"""Local window: keep the most recent ``B`` entries (spec section 2).
+"""Local window: keep the most recent ``B`` entries of every KV head. No paper of its own: the
+"Local" baseline of the eviction papers (H2O, StreamingLLM, Attention-Gate compare against it).
 
-Without sinks, quality collapses once the first token leaves the cache (the attention-sink
+Prefill: the last ``B`` real prompt tokens. Decode: a sliding window that evicts the oldest
+entry once a head is over its capacity. Without sinks, quality collapses once the first token leaves the cache (the attention-sink
 effect); that collapse is the expected behaviour of this baseline, not a bug.
 """
 
@@ -12,8 +14,8 @@ from torch import Tensor
 
 from kvgate.policies.base import (
     Budget,
+    DecodeEvicting,
     LayerPrompt,
-    Policy,
     by_position,
     check_decode,
     check_prompt,
@@ -22,11 +24,10 @@ from kvgate.policies.base import (
 
 
 @dataclass
-class Window(Policy):
+class Window(DecodeEvicting):
     """Prefill: the last ``B`` real tokens of every head. Decode: a sliding window."""
 
     name = "window"
-    decode_eviction = True
 
     def keep(self, prompt: LayerPrompt, budget: Budget) -> Tensor:
         """``[B, H_kv, n]`` bool."""

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvgate.errors import KVGateError
 
-class RecipeError(ValueError):
+
+class RecipeError(KVGateError, ValueError):
     """A recipe setting is out of range; the message names the key."""
 
 

@@ -14,7 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from kvgate.gate.apply import gate_attend_mask, valid_tokens
+from kvgate.attention.masks import new_token_validity
+from kvgate.gate.apply import gate_attend_mask
 from kvgate.gate.patch import gates_open
 from kvgate.models import dispatch
 from kvgate.policies.base import Budget, LayerPrompt, Policy
@@ -27,11 +28,11 @@ def heuristic_labels(model: nn.Module, policy: Policy, budget: Budget, input_ids
     labels: dict[int, Tensor] = {}
     num_layers = len(dispatch.attention_modules(model))
 
-    def tap(module, query, key, value, mask, scaling, ctx):
+    def tap(module, query, key, value, mask, scaling, call):
         b, _, n, _ = query.shape
         prompt = LayerPrompt(module.layer_idx, num_layers, query, key, value,
-                             valid_tokens(mask, b, n, query.device),
-                             scaling or 1.0 / math.sqrt(query.shape[-1]), ctx.get("hidden"), module)
+                             new_token_validity(mask, b, n, query.device),
+                             scaling or 1.0 / math.sqrt(query.shape[-1]), call.hidden, module)
         labels[module.layer_idx] = policy.keep(prompt, budget)
 
     with gates_open(model), dispatch.tapped(model, tap):
@@ -48,10 +49,10 @@ def warmstart_loss(model: nn.Module, labels: dict[int, Tensor], input_ids: Tenso
     """
     hidden: dict[int, tuple] = {}
 
-    def tap(module, query, key, value, mask, scaling, ctx):
+    def tap(module, query, key, value, mask, scaling, call):
         b, _, n, _ = query.shape
-        hidden[module.layer_idx] = (ctx.get("hidden"), ctx.get("position_embeddings"),
-                                    valid_tokens(mask, b, n, query.device))
+        hidden[module.layer_idx] = (call.hidden, call.position_embeddings,
+                                    new_token_validity(mask, b, n, query.device))
 
     with torch.no_grad(), gates_open(model), dispatch.tapped(model, tap):
         model(input_ids=input_ids, attention_mask=attention_mask)

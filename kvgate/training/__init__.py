@@ -1,13 +1,20 @@
-"""Training: the LightningModule, data modules, callbacks and LoRA wiring (see train.py)."""
+"""Training: the LightningModule, data modules, callbacks, LoRA wiring and export (see train.py).
+
+Layout: ``module`` (the LightningModule), ``objective`` (the loss of one batch), ``build``
+(base + LoRA + gates), ``optim`` (AdamW and its schedule), ``data`` (CPT and SFT data modules)
+on ``datamodule`` (resumable order, loaders) and ``batches`` (the batch contract),
+``callbacks``, ``export`` (to the gated-checkpoint format), ``lora``, ``strategies``.
+"""
 
 from kvgate.training.callbacks import EvictionImageLogger, ExportGated, TokensPerSecond
 from kvgate.training.data import CPTDataModule, KVGateDataModule, ResumableSampler, SFTDataModule
 from kvgate.training.errors import TrainingConfigError
+from kvgate.training.export import export_checkpoint, export_module, module_from_checkpoint
 from kvgate.training.lora import LoraSettings
 from kvgate.training.module import KVGateModule, OptimSettings
 
 __all__ = [
     "CPTDataModule", "EvictionImageLogger", "ExportGated", "KVGateDataModule", "KVGateModule",
     "LoraSettings", "OptimSettings", "ResumableSampler", "SFTDataModule", "TokensPerSecond",
-    "TrainingConfigError",
+    "TrainingConfigError", "export_checkpoint", "export_module", "module_from_checkpoint",
 ]

@@ -1,4 +1,5 @@
-"""Training callbacks: tokens/s, eviction-pattern images, and export of the gated checkpoint."""
+"""Training callbacks: tokens/s, eviction-pattern images, export of the gated checkpoint, and
+(from ``kvgate.training.integrity``) the sha256 sidecars of Lightning checkpoints."""
 
 from __future__ import annotations
 
@@ -10,6 +11,10 @@ import lightning as L
 from lightning.pytorch.callbacks import Callback, LearningRateMonitor
 from lightning.pytorch.utilities import rank_zero_only, rank_zero_warn
 from torch import Tensor
+
+from kvgate.training.errors import warn
+from kvgate.training.export import export_module
+from kvgate.training.integrity import ChecksumCheckpoints
 
 
 class TokensPerSecond(Callback):
@@ -121,7 +126,8 @@ class EvictionImageLogger(Callback):
 
 class ExportGated(Callback):
     """At the end of ``fit``, writes the gated checkpoint (``kvgate.checkpoint`` format) to
-    ``dirpath`` (default ``<log_dir>/gated``) from rank 0."""
+    ``dirpath`` (default ``<log_dir>/gated``) from rank 0; a run that did no optimiser step
+    exports nothing (one warning line)."""
 
     def __init__(self, dirpath: str | None = None, merge: bool = False) -> None:
         self.dirpath = dirpath
@@ -131,10 +137,13 @@ class ExportGated(Callback):
     def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if trainer.interrupted:
             return
+        if trainer.global_step == 0:  # the export would be the untrained initial gates
+            warn("ExportGated: the run did no training step (global step 0): nothing exported")
+            return
         if "deepspeed" in type(trainer.strategy).__name__.lower() \
                 and getattr(trainer.strategy, "zero_stage_3", False):
             rank_zero_warn("ExportGated: ZeRO-3 shards the parameters; export from the "
-                           "consolidated checkpoint with `python -m kvgate.export` instead")
+                           "consolidated checkpoint with `kvgate export` instead")
             return
         # every rank asks for log_dir: under DDP it is a collective (a broadcast)
         out = Path(self.dirpath) if self.dirpath else \
@@ -143,15 +152,14 @@ class ExportGated(Callback):
 
     @rank_zero_only
     def _export(self, trainer: L.Trainer, pl_module: L.LightningModule, out: Path) -> None:
-        from kvgate.export import export_module
-
         self.written = export_module(pl_module, out, merge=self.merge, overwrite=True,
                                      global_step=trainer.global_step)
 
 
 def default_callbacks(module: L.LightningModule) -> list[Callback]:
-    """What every KVGateModule run logs: tokens/s, learning rates, eviction images."""
-    callbacks: list[Callback] = [TokensPerSecond()]
+    """What every KVGateModule run has: sha256 sidecars for its checkpoints, and the logs of
+    tokens/s, learning rates and eviction images."""
+    callbacks: list[Callback] = [ChecksumCheckpoints(), TokensPerSecond()]
     trainer = getattr(module, "_trainer", None)
     if trainer is not None and trainer.loggers:
         callbacks.append(LearningRateMonitor(logging_interval="step"))

@@ -1,183 +1,41 @@
 """Lightning data modules: packed continual pre-training (CPT) and SFT on one task or a mixture.
 
-Both produce the batch contract of ``kvgate.training.module``:
-``input_ids`` [B, n] long, ``attention_mask`` [B, n] long, ``labels`` [B, n] long
-(-100 = no loss), and for SFT ``prompt_mask`` [B, n] bool (the context tokens). SFT
-validation batches score every option: each example contributes one row per choice and the
-batch adds ``example_index`` [M], ``choice_index`` [M] and ``gold`` [E].
-
-Data position: the training order is a seeded permutation per epoch (``ResumableSampler``),
-and the data module counts the batches the model has consumed in its ``state_dict``, which
-Lightning stores in every checkpoint. On ``--ckpt_path last`` the sampler skips exactly those
-batches, so a resumed run sees the same sequence of batches as an uninterrupted one.
-
-The tokenizer comes from the model (``KVGateModule.get_tokenizer``: the one ``configure_model``
-loaded, or the tokenizer alone when a strategy asks for the loaders first, as DeepSpeed does):
-datasets are built lazily in ``train_dataloader``/``val_dataloader``. Outside a Trainer, set
-``datamodule.tokenizer`` yourself.
+Both produce the batch contract of ``kvgate.training.module`` (built in
+``kvgate.training.batches``) through the shared machinery of ``kvgate.training.datamodule``
+(seeded resumable order, loaders, tokenizer lookup); its names, and the batch builders, are
+importable from here too.
 """
 
 from __future__ import annotations
 
 import random
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from functools import partial
 from itertools import zip_longest
-from typing import Any, Literal
+from typing import Literal
 
-import lightning as L
 import torch
 from torch import Tensor
-from torch.utils.data import DataLoader, Dataset, DistributedSampler
+from torch.utils.data import Dataset
 
+from kvgate.training.batches import (
+    TensorRows,
+    collate_blocks,
+    collate_options,
+    collate_sft,
+    encode_prompt_answer,
+    pack_documents,
+)
+from kvgate.training.datamodule import KVGateDataModule, ResumableLoader, ResumableSampler
 from kvgate.training.errors import TrainingConfigError
 
+__all__ = [
+    "CPTDataModule", "CorpusSource", "KVGateDataModule", "ResumableLoader", "ResumableSampler",
+    "SFTDataModule", "TensorRows", "collate_blocks", "collate_options", "collate_sft",
+    "encode_prompt_answer", "pack_documents", "sft_tasks",
+]
+
 CorpusSource = Literal["embedded", "files", "redpajama"]
-
-
-# --------------------------------------------------------------------------- sampling
-class ResumableSampler(DistributedSampler):
-    """A seeded, epoch-dependent permutation sharded over ranks that can skip the first
-    ``k`` samples of one epoch (the part of it a checkpoint already consumed).
-
-    Subclassing ``DistributedSampler`` keeps Lightning from replacing it under DDP; rank and
-    world size are passed explicitly so it also works without a process group.
-    """
-
-    def __init__(self, dataset: Dataset, num_replicas: int = 1, rank: int = 0,
-                 shuffle: bool = True, seed: int = 0) -> None:
-        super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=shuffle,
-                         seed=seed, drop_last=False)
-        self._skip_epoch: int | None = None
-        self._skip = 0
-
-    def skip(self, epoch: int, samples: int) -> None:
-        """Skip the first ``samples`` indices of this rank's order in ``epoch`` (once)."""
-        self._skip_epoch, self._skip = epoch, max(0, samples)
-
-    def __iter__(self) -> Iterator[int]:
-        indices = list(super().__iter__())
-        if self._skip_epoch == self.epoch:
-            indices = indices[self._skip:]
-            self._skip_epoch, self._skip = None, 0
-        yield from indices
-
-
-class ResumableLoader(DataLoader):
-    """A DataLoader that reports its data module's position to Lightning's loop state
-    (so Lightning knows the loader is resumable) and restores it the same way."""
-
-    def __init__(self, *args, datamodule: KVGateDataModule, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self._datamodule = datamodule
-
-    def state_dict(self) -> dict[str, Any]:
-        return self._datamodule.state_dict()
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        # idempotent with the data module's own restore: both set the same skip
-        self._datamodule.load_state_dict(state)
-        self._datamodule.apply_resume()
-
-
-# --------------------------------------------------------------------------- datasets
-class TensorRows(Dataset):
-    """A list of per-example payloads (dicts of lists/ints), collated later."""
-
-    def __init__(self, rows: Sequence[Any]) -> None:
-        self.rows = list(rows)
-
-    def __len__(self) -> int:
-        return len(self.rows)
-
-    def __getitem__(self, i: int) -> Any:
-        return self.rows[i]
-
-
-def pack_documents(docs: Sequence[Sequence[int]], seq_len: int, eos_id: int | None) -> Tensor:
-    """Concatenate tokenised documents (EOS between them) and cut into blocks.
-
-    Returns [N, seq_len] long; the tail shorter than ``seq_len`` is dropped.
-    """
-    stream: list[int] = []
-    for doc in docs:
-        stream.extend(doc)
-        if eos_id is not None:
-            stream.append(eos_id)
-    n = len(stream) // seq_len
-    return torch.tensor(stream[: n * seq_len], dtype=torch.long).view(n, seq_len)
-
-
-def encode_prompt_answer(tokenizer, context: str, answer: str, max_len: int) -> tuple[list[int], int]:
-    """Token ids of ``context + answer`` and the prompt length.
-
-    The two parts are tokenised separately so the boundary is exact (the answer's tokens are
-    exactly the loss/scoring positions). A too-long prompt is cut from the left: the end of
-    the context, next to the answer, matters most.
-    """
-    prompt = tokenizer(context, add_special_tokens=True)["input_ids"]
-    target = tokenizer(answer, add_special_tokens=False)["input_ids"]
-    if not target:
-        raise TrainingConfigError(f"answer {answer!r} tokenises to nothing")
-    target = target[: max_len - 1]
-    prompt = prompt[-(max_len - len(target)):]
-    return prompt + target, len(prompt)
-
-
-def collate_sft(rows: Sequence[tuple], pad_id: int) -> dict[str, Tensor]:
-    """Right-pad ``(ids, prompt_len)`` rows into the SFT batch; labels only on answer tokens.
-
-    A row may carry a third item, ``gold``: False marks a wrong choice, whose answer tokens
-    get no label (the LM loss must not teach it) but are listed in ``distill_mask``, the
-    positions the distillation covers (every row's answer tokens), which is then added.
-    """
-    n = max(len(row[0]) for row in rows)
-    b = len(rows)
-    input_ids = torch.full((b, n), pad_id, dtype=torch.long)
-    attention = torch.zeros(b, n, dtype=torch.long)
-    prompt_mask = torch.zeros(b, n, dtype=torch.bool)
-    gold = torch.ones(b, 1, dtype=torch.bool)
-    for i, (ids, plen, *is_gold) in enumerate(rows):
-        input_ids[i, : len(ids)] = torch.tensor(ids, dtype=torch.long)
-        attention[i, : len(ids)] = 1
-        prompt_mask[i, :plen] = True
-        gold[i] = bool(is_gold[0]) if is_gold else True
-    answer = attention.bool() & ~prompt_mask
-    labels = torch.where(answer & gold, input_ids, torch.full_like(input_ids, -100))
-    batch = {"input_ids": input_ids, "attention_mask": attention, "labels": labels,
-             "prompt_mask": prompt_mask}
-    if not bool(gold.all()):
-        batch["distill_mask"] = answer
-    return batch
-
-
-def collate_options(examples: Sequence[dict[str, Any]], pad_id: int) -> dict[str, Tensor]:
-    """One row per (example, choice) for option scoring, plus the index tensors."""
-    rows, ex_idx, ch_idx = [], [], []
-    for e, ex in enumerate(examples):
-        for c, row in enumerate(ex["rows"]):
-            rows.append(row)
-            ex_idx.append(e)
-            ch_idx.append(c)
-    batch = collate_sft(rows, pad_id)
-    batch["example_index"] = torch.tensor(ex_idx, dtype=torch.long)
-    batch["choice_index"] = torch.tensor(ch_idx, dtype=torch.long)
-    batch["gold"] = torch.tensor([ex["gold"] for ex in examples], dtype=torch.long)
-    return batch
-
-
-def collate_blocks(rows: Sequence[Tensor], continuation: int = 0) -> dict[str, Tensor]:
-    """Packed CPT blocks [seq_len] -> batch with every token labelled, or with
-    ``continuation > 0``: the last ``continuation`` tokens labelled and the rest marked as the
-    prompt (``prompt_mask``), as a prompt + continuation split at inference."""
-    ids = torch.stack(list(rows))
-    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
-    if not continuation:
-        return batch | {"labels": ids.clone()}
-    prompt = torch.zeros_like(ids, dtype=torch.bool)
-    prompt[:, : ids.shape[1] - continuation] = True
-    # the token right after the prompt is predicted from it, so it is labelled too
-    return batch | {"labels": ids.masked_fill(prompt, -100), "prompt_mask": prompt}
 
 
 def sft_tasks(task: str | Sequence[str]) -> tuple[str, ...]:
@@ -194,127 +52,6 @@ def sft_tasks(task: str | Sequence[str]) -> tuple[str, ...]:
     if len(set(names)) != len(names):
         raise TrainingConfigError(f"data.task: a task is listed twice in {list(names)}")
     return names
-
-
-# --------------------------------------------------------------------------- modules
-class KVGateDataModule(L.LightningDataModule):
-    """Shared machinery: tokenizer lookup, seeded resumable order, loaders, data position."""
-
-    def __init__(self, batch_size: int = 4, val_batch_size: int | None = None, seed: int = 0,
-                 num_workers: int = 0) -> None:
-        super().__init__()
-        if not isinstance(batch_size, int) or batch_size < 1:
-            raise TrainingConfigError(f"data.batch_size: must be a positive integer (got {batch_size!r})")
-        if val_batch_size is not None and val_batch_size < 1:
-            raise TrainingConfigError(f"data.val_batch_size: must be >= 1 (got {val_batch_size!r})")
-        if num_workers < 0:
-            raise TrainingConfigError(f"data.num_workers: must be >= 0 (got {num_workers!r})")
-        self.batch_size = batch_size
-        self.val_batch_size = val_batch_size or batch_size
-        self.seed = seed
-        self.num_workers = num_workers
-        self.tokenizer = None  # set by hand, or taken from the attached LightningModule
-        self._train: Dataset | None = None
-        self._val: Dataset | None = None
-        self._sampler: ResumableSampler | None = None
-        # data position: batches of the current epoch the model has consumed
-        self._pos_epoch = 0
-        self._pos_batches = 0
-        self._resume: tuple[int, int] | None = None
-
-    # -- subclasses build these from token ids
-    def build_train(self, tokenizer) -> Dataset:
-        raise NotImplementedError
-
-    def build_val(self, tokenizer) -> Dataset | None:
-        return None
-
-    def collate_train(self, pad_id: int) -> Callable:
-        """A picklable collate function for training batches (workers may pickle it)."""
-        raise NotImplementedError
-
-    def collate_val(self, pad_id: int) -> Callable:
-        return self.collate_train(pad_id)
-
-    # -- tokenizer
-    def get_tokenizer(self):
-        if self.tokenizer is not None:
-            return self.tokenizer
-        module = self.trainer.lightning_module if self._trainer_attached() else None
-        tok = module.get_tokenizer() if hasattr(module, "get_tokenizer") else None
-        if tok is None:
-            raise TrainingConfigError(
-                "data: no tokenizer: attach the data module to a Trainer whose model is built, "
-                "or set datamodule.tokenizer")
-        return tok
-
-    def _trainer_attached(self) -> bool:
-        return getattr(self, "trainer", None) is not None
-
-    def pad_id(self) -> int:
-        tok = self.get_tokenizer()
-        pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
-        return 0 if pad is None else int(pad)
-
-    # -- loaders
-    def train_dataset(self) -> Dataset:
-        if self._train is None:
-            self._train = self.build_train(self.get_tokenizer())
-            if len(self._train) == 0:
-                raise TrainingConfigError("data: the training set is empty after tokenisation")
-        return self._train
-
-    def val_dataset(self) -> Dataset | None:
-        if self._val is None:
-            self._val = self.build_val(self.get_tokenizer())
-        return self._val
-
-    def train_dataloader(self) -> DataLoader:
-        dataset = self.train_dataset()
-        world, rank = (self.trainer.world_size, self.trainer.global_rank) \
-            if self._trainer_attached() else (1, 0)
-        self._sampler = ResumableSampler(dataset, num_replicas=world, rank=rank, seed=self.seed)
-        self.apply_resume()
-        return ResumableLoader(dataset, batch_size=self.batch_size, sampler=self._sampler,
-                               collate_fn=self.collate_train(self.pad_id()),
-                               num_workers=self.num_workers, datamodule=self)
-
-    def apply_resume(self) -> None:
-        """Make the sampler skip the batches a restored checkpoint already consumed."""
-        if self._resume is not None and self._sampler is not None:
-            epoch, batches = self._resume
-            self._sampler.skip(epoch, batches * self.batch_size)
-            self._resume = None
-
-    def val_dataloader(self):
-        dataset = self.val_dataset()
-        if dataset is None or len(dataset) == 0:
-            return []
-        return DataLoader(dataset, batch_size=self.val_batch_size, shuffle=False,
-                          collate_fn=self.collate_val(self.pad_id()),
-                          num_workers=self.num_workers)
-
-    # -- data position
-    def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
-        # runs once per batch right before the training step (after any prefetching), so the
-        # count equals the batches the model has consumed when a checkpoint is written
-        if self._trainer_attached() and self.trainer.training:
-            epoch = self.trainer.current_epoch
-            if epoch != self._pos_epoch:
-                self._pos_epoch, self._pos_batches = epoch, 0
-            self._pos_batches += 1
-        return batch
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"epoch": self._pos_epoch, "batches": self._pos_batches, "seed": self.seed}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        if state.get("seed", self.seed) != self.seed:
-            raise TrainingConfigError(
-                f"data.seed: the checkpoint's data order used seed {state['seed']}, this run "
-                f"has {self.seed}; resume with the same seed")
-        self._pos_epoch, self._pos_batches = int(state["epoch"]), int(state["batches"])
-        self._resume = (self._pos_epoch, self._pos_batches)
 
 
 class CPTDataModule(KVGateDataModule):

@@ -7,13 +7,14 @@ Three regimes (``train``):
 
 Loss = LM loss over the batch's ``labels`` (every token for CPT, answer tokens only for SFT)
 + the distillation KL to the gates-open teacher (``recipe``) + the eviction loss
-``alpha * |mean(gate) - beta|``.
+``alpha * |mean(gate) - beta|`` (``kvgate.training.objective``).
 
-The base model is built in ``configure_model`` (not ``__init__``): every setting is validated
-first, so a config error fails before a multi-GB download or load, and DeepSpeed stage 3 can
-shard the model as it is built. Lightning checkpoints keep only what trains.
+The base model is built in ``configure_model`` (not ``__init__``; ``kvgate.training.build``):
+every setting is validated first, so a config error fails before a multi-GB download or load,
+and DeepSpeed stage 3 can shard the model as it is built. Lightning checkpoints keep only what
+trains.
 
-Batch contract (see ``kvgate.training.data``): ``input_ids`` [B, n] long, ``attention_mask``
+Batch contract (see ``kvgate.training.batches``): ``input_ids`` [B, n] long, ``attention_mask``
 [B, n] (1 = real token), ``labels`` [B, n] long (-100 = no loss; aligned with ``input_ids``,
 the shift happens in the loss), optional ``prompt_mask`` [B, n] bool (SFT), optional
 ``distill_mask`` [B, n] bool (the positions the KL covers when they are not the labelled ones:
@@ -23,28 +24,30 @@ validation batches add ``example_index`` [M], ``choice_index`` [M] and ``gold`` 
 
 from __future__ import annotations
 
-import math
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, replace
 from typing import Any, Literal
 
 import lightning as L
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 from torchmetrics.classification import MulticlassAccuracy
 
-from kvgate.gate import (
-    GateConfig,
-    clear_records,
-    eviction_loss,
-    gate_modules,
-    patch,
-    prompt_segment,
-    set_gates_trainable,
-)
+from kvgate.gate import GateConfig, gate_modules, prompt_segment
+from kvgate.models import load_base, load_tokenizer, model_fingerprint
 from kvgate.recipes.settings import RecipeSettings
+from kvgate.training.build import (
+    check_init_from,
+    check_quantize,
+    load_quantized,
+    prepare_for_training,
+)
 from kvgate.training.errors import TrainingConfigError
-from kvgate.training.lora import LoraSettings, add_lora, lora_parameters
+from kvgate.training.lora import LoraSettings, lora_parameters
+from kvgate.training.objective import TrainingObjective, causal_lm_loss, sequence_logprob
+from kvgate.training.optim import OptimSettings, adamw_with_schedule, lr_factor
+
+__all__ = ["CKPT_KEY", "MAX_CHOICES", "KVGateModule", "OptimSettings", "causal_lm_loss",
+           "lr_factor", "sequence_logprob"]
 
 TrainMode = Literal["gates", "gates_lora", "lora"]
 Quantize = Literal["none", "4bit", "8bit"]
@@ -52,62 +55,6 @@ DType = Literal["float32", "bfloat16", "float16"]
 
 CKPT_KEY = "kvgate"  # our entry in a Lightning checkpoint (base id, fingerprint, metrics)
 MAX_CHOICES = 8  # widest multiple-choice task (ARC has up to 5 options)
-
-
-@dataclass
-class OptimSettings:
-    """AdamW with one learning rate for the gates and one for LoRA, linear warm-up then cosine."""
-
-    lr_gate: float = 1e-3  # gates start from scratch: a larger lr than the adapters
-    lr_lora: float = 1e-4  # LoRA A/B matrices
-    weight_decay: float = 0.0  # AdamW decoupled weight decay (both groups)
-    betas: tuple[float, float] = (0.9, 0.999)  # AdamW betas
-    warmup_ratio: float = 0.03  # fraction of all optimiser steps with a linear warm-up
-    min_lr_ratio: float = 0.1  # the cosine ends at lr * min_lr_ratio
-
-    def __post_init__(self) -> None:
-        self.betas = tuple(self.betas)
-        checks = {
-            "lr_gate": self.lr_gate > 0, "lr_lora": self.lr_lora > 0,
-            "weight_decay": self.weight_decay >= 0,
-            "betas": len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas),
-            "warmup_ratio": 0 <= self.warmup_ratio < 1, "min_lr_ratio": 0 <= self.min_lr_ratio <= 1,
-        }
-        for key, ok in checks.items():
-            if not ok:
-                raise TrainingConfigError(
-                    f"OptimSettings.{key}: out of range (got {getattr(self, key)!r})")
-
-
-def lr_factor(step: int, total: int, warmup: int, floor: float) -> float:
-    """Multiplier of the base lr at optimiser step ``step``: linear warm-up over ``warmup``
-    steps, then a half cosine from 1 down to ``floor`` at ``total``."""
-    if warmup > 0 and step < warmup:
-        return (step + 1) / warmup
-    span = max(1, total - warmup)
-    progress = min(1.0, (step - warmup) / span)
-    return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
-
-
-def causal_lm_loss(logits: Tensor, labels: Tensor) -> tuple[Tensor, Tensor]:
-    """Mean next-token cross-entropy over labelled positions.
-
-    logits [B, n, V], labels [B, n] (-100 = ignore, aligned with the inputs) ->
-    (loss scalar, number of predicted tokens). fp32 softmax whatever the logits' dtype.
-    """
-    target = labels[:, 1:]
-    count = (target != -100).sum()
-    flat = logits[:, :-1].reshape(-1, logits.shape[-1]).float()
-    loss = F.cross_entropy(flat, target.reshape(-1), ignore_index=-100, reduction="sum")
-    return loss / count.clamp(min=1), count
-
-
-def sequence_logprob(logits: Tensor, labels: Tensor) -> Tensor:
-    """Sum of log p(label) over labelled positions of every row: [B, n, V], [B, n] -> [B]."""
-    target = labels[:, 1:]
-    logp = torch.log_softmax(logits[:, :-1].float(), dim=-1)
-    picked = logp.gather(-1, target.clamp(min=0)[..., None])[..., 0]
-    return (picked * (target != -100)).sum(-1)
 
 
 def _as(cls, value):
@@ -122,74 +69,7 @@ def _as(cls, value):
     return replace(value)
 
 
-def _check_init_from(path: str, train: str) -> None:
-    """Fail at config time, before the base loads, on a checkpoint that cannot start this run."""
-    from kvgate.checkpoint import CheckpointError, read_meta
-
-    try:
-        meta = read_meta(path, verify=False)
-    except CheckpointError as err:
-        raise TrainingConfigError(f"KVGateModule.init_from: {err}") from None
-    if meta.get("merged"):
-        raise TrainingConfigError(
-            f"KVGateModule.init_from: {path} holds a merged base (exported with merge); start "
-            "from an unmerged export, whose adapter and gates are separate")
-    if train != "lora" and meta.get("gate") is None:
-        raise TrainingConfigError(f"KVGateModule.init_from: {path} has no gates to start from")
-    if train == "lora" and not meta.get("lora"):
-        raise TrainingConfigError(
-            f"KVGateModule.init_from: {path} has no LoRA adapter for a train='lora' run to start from")
-    if train == "gates" and meta.get("lora"):
-        raise TrainingConfigError(
-            f"KVGateModule.init_from: {path} has a LoRA adapter, which train='gates' would drop; "
-            "train 'gates_lora' to keep it")
-
-
-def _load_init(model: nn.Module, path: str, with_lora: bool) -> None:
-    """Copy an exported checkpoint's gates (and adapter, if trained here) into ``model``."""
-    from kvgate.checkpoint import (
-        ADAPTER_DIR,
-        CheckpointError,
-        check_base,
-        load_gate_weights,
-        read_meta,
-    )
-
-    try:
-        meta = read_meta(path)  # sizes and sha256 checked: a corrupt file fails here
-        check_base(meta, path, model)
-        if meta.get("gate") is not None and gate_modules(model):
-            load_gate_weights(model, path)
-        if with_lora and meta.get("lora"):
-            _load_adapter(model, f"{path}/{ADAPTER_DIR}")
-    except CheckpointError as err:
-        raise TrainingConfigError(f"KVGateModule.init_from: {err}") from None
-
-
-def _load_adapter(model: nn.Module, folder: str) -> None:
-    from peft import set_peft_model_state_dict
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-
-    from kvgate.checkpoint import CheckpointError
-
-    try:
-        weights = load_file(f"{folder}/adapter_model.safetensors")
-    except (OSError, SafetensorError) as err:
-        raise CheckpointError(f"{folder}: adapter cannot be read ({err})") from None
-    try:
-        result = set_peft_model_state_dict(model, weights)
-    except RuntimeError as err:  # a shape mismatch: another rank or other target modules
-        raise CheckpointError(f"{folder}: adapter does not fit this run's LoRA "
-                              f"({str(err).splitlines()[0]})") from None
-    missing = [k for k in result.missing_keys if "lora_" in k]
-    if missing or result.unexpected_keys:
-        raise CheckpointError(f"{folder}: adapter does not fit this run's LoRA (targets or "
-                              f"layers differ: {len(missing)} missing, "
-                              f"{len(result.unexpected_keys)} unexpected tensors)")
-
-
-class KVGateModule(L.LightningModule):
+class KVGateModule(TrainingObjective, L.LightningModule):
     """Frozen base + trainable gates and/or LoRA; see the module docstring for the regimes."""
 
     def __init__(
@@ -209,7 +89,7 @@ class KVGateModule(L.LightningModule):
     ) -> None:
         """
         Args:
-            base_model: alias (``smollm2-135m``), hub id or local folder of a LLaMA/Mistral model.
+            base_model: alias (``smollm2-135m``), hub id or local folder of a LLaMA, Mistral or Qwen model.
             train: what learns: ``gates``, ``gates_lora`` or ``lora`` (no gates at all).
             gate: Attention-Gate settings (paper symbols); ignored when ``train='lora'``.
             lora: LoRA rank/alpha/dropout/targets; ignored when ``train='gates'``.
@@ -239,9 +119,9 @@ class KVGateModule(L.LightningModule):
         if not isinstance(image_every_n_steps, int) or image_every_n_steps < 0:
             raise TrainingConfigError(
                 f"KVGateModule.image_every_n_steps: must be >= 0 (got {image_every_n_steps!r})")
-        _check_quantize(quantize)
+        check_quantize(quantize)
         if init_from is not None:
-            _check_init_from(init_from, train)
+            check_init_from(init_from, train)
         self.base_model = base_model
         self.train_mode = train
         self.gate_cfg = _as(GateConfig, gate)
@@ -300,38 +180,18 @@ class KVGateModule(L.LightningModule):
         never see the gates' own projections). Idempotent."""
         if self.model is not None:
             return
-        from kvgate.models import load_base, model_fingerprint
-
         if self.quantize != "none":
-            model, tokenizer = self._load_quantized()
+            device = self.trainer.strategy.root_device if self._trainer is not None else "cuda"
+            model = load_quantized(self.base_model, self.quantize, self.dtype_name, device)
+            tokenizer = self.get_tokenizer()
         else:
             model, tokenizer = load_base(self.base_model, dtype=self.dtype_name)
         self.fingerprint = model_fingerprint(model.config)
-        model.requires_grad_(False)
-        model.config.use_cache = False
-        if self.quantize != "none":
-            from peft import prepare_model_for_kbit_training
-
-            model = prepare_model_for_kbit_training(
-                model, use_gradient_checkpointing=self.gradient_checkpointing)
-        elif self.gradient_checkpointing:
-            model.gradient_checkpointing_enable(
-                gradient_checkpointing_kwargs={"use_reentrant": False})
-        if self.uses_lora:
-            model = add_lora(model, self.lora_cfg)
-            for p in lora_parameters(model):
-                p.data = p.data.float()
-        if self.gated:
-            patch(model, self.gate_cfg)
-            set_gates_trainable(model, True)
-            # gates of ungated layers never run: frozen, so DDP sees no unused parameters
-            for gate in gate_modules(model)[: self.gate_cfg.ungated_layers]:
-                gate.requires_grad_(False)
-        if self.init_from is not None:
-            _load_init(model, self.init_from, self.uses_lora)
-        # load_base returns eval mode; gradient checkpointing and LoRA dropout need train mode
-        model.train()
-        self.model = model
+        self.model = prepare_for_training(
+            model, quantized=self.quantize != "none",
+            gradient_checkpointing=self.gradient_checkpointing,
+            lora=self.lora_cfg if self.uses_lora else None,
+            gate=self.gate_cfg if self.gated else None, init_from=self.init_from)
         # a tokenizer read earlier (loaders built first) already tokenised the data: keep it
         if self.tokenizer is None:
             self.tokenizer = tokenizer
@@ -340,25 +200,8 @@ class KVGateModule(L.LightningModule):
         """The base's tokenizer; read alone when the model is not built yet (Lightning's
         DeepSpeed strategy asks for the training loader before ``configure_model``)."""
         if self.tokenizer is None:
-            from kvgate.models import load_tokenizer
-
             self.tokenizer = load_tokenizer(self.base_model)
         return self.tokenizer
-
-    def _load_quantized(self):
-        """bitsandbytes places the weights at load time, on this rank's GPU (everything else
-        loads on the CPU and the strategy moves it)."""
-        from transformers import AutoModelForCausalLM
-
-        from kvgate.models import check_supported, parse_dtype, resolve_model_id
-
-        source = resolve_model_id(self.base_model)
-        device = self.trainer.strategy.root_device if self._trainer is not None else "cuda"
-        model = AutoModelForCausalLM.from_pretrained(
-            source, quantization_config=_bnb_config(self.quantize, self.dtype_name),
-            dtype=parse_dtype(self.dtype_name), device_map={"": str(device)})
-        check_supported(model.config)
-        return model, self.get_tokenizer()
 
     def trainable_named_parameters(self) -> list[tuple[str, nn.Parameter]]:
         return [(n, p) for n, p in self.named_parameters() if p.requires_grad]
@@ -377,121 +220,13 @@ class KVGateModule(L.LightningModule):
         return out.logits
 
     # --------------------------------------------------------------- training
-    def current_beta(self) -> float:
-        """Target retention now: annealed from ``recipe.beta_start`` after the warm start."""
-        r = self.recipe_cfg
-        if r.beta_start is None:
-            return self.gate_cfg.beta
-        from kvgate.recipes import RetentionSchedule
-
-        schedule = RetentionSchedule(r.beta_start, self.gate_cfg.beta, r.beta_steps, r.beta_schedule)
-        return schedule(max(0, self.global_step - r.warmstart_steps))
-
-    def gate_terms(self, batch: dict[str, Tensor]) -> tuple[Tensor, dict[str, Tensor]]:
-        """Eviction loss and retention statistics of the forward that just ran."""
-        loss, stats = eviction_loss(self.model, self.gate_cfg, batch["attention_mask"],
-                                    beta=self.current_beta())
-        if self.capture_flags:
-            from kvgate.gate.loss import gate_records
-
-            records = gate_records(self.model)
-            self.last_flags = torch.stack([r.gate[0].detach() for _, r in records]).float().cpu()
-            self.last_counted = records[0][1].counted[0].detach().cpu()
-            self.capture_flags = False
-        clear_records(self.model)  # the records hold the graph of this forward
-        return loss, stats
-
     def _warmstart_step(self, batch: dict[str, Tensor]) -> Tensor:
         """Gates learn a heuristic's keep masks (class-balanced BCE) before the real objective."""
-        from kvgate.policies import get_policy
-        from kvgate.policies.base import Budget
-        from kvgate.recipes import heuristic_labels, warmstart_loss
-
-        r = self.recipe_cfg
-        keep = r.warmstart_keep if r.warmstart_keep is not None else max(self.gate_cfg.beta, 1e-3)
-        ids, mask = batch["input_ids"], batch["attention_mask"]
-        labels = heuristic_labels(self.model, get_policy(r.warmstart_policy), Budget(ratio=keep),
-                                  ids, mask)
-        loss, stats = warmstart_loss(self.model, labels, ids, mask)
-        bsz = ids.shape[0]
+        loss, stats = self.warmstart_objective(batch)
+        bsz = batch["input_ids"].shape[0]
         self.log("train/warmstart_bce", loss, prog_bar=True, batch_size=bsz)
         self.log("train/warmstart_balanced_acc", stats["balanced_accuracy"], batch_size=bsz)
         return loss
-
-    def prompt_split(self, batch: dict[str, Tensor]) -> int | None:
-        """The prompt length when this batch trains in two passes (``kvgate.gate.prefix``):
-        a one-shot gate trained alone, on a batch of one shared prompt length, unpadded.
-        Anything trainable acting on the prompt (LoRA), layers recomputed in backward, or a
-        sliding window shorter than the block keep the whole-block forward."""
-        if not (self.split_prompt and self.gated and not self.uses_lora
-                and self.gate_cfg.prefill == "full" and not self.gradient_checkpointing):
-            return None
-        from kvgate.gate.prefix import split_point
-
-        ids = batch["input_ids"]
-        window = getattr(self.model.config, "sliding_window", None)
-        if window is not None and window < ids.shape[1]:
-            return None
-        return split_point(ids, batch.get("attention_mask"), batch.get("prompt_mask"),
-                           batch.get("labels"))
-
-    def objective(self, batch: dict[str, Tensor]) -> tuple[Tensor, dict[str, Tensor]]:
-        """The training loss of one batch and its terms: ``lm``, ``distill`` (when
-        distilling), and with gates ``evict`` and the retention ``stats``."""
-        r = self.recipe_cfg
-        split = self.prompt_split(batch)
-        # the KL covers the labelled positions, or every choice's answer where the batch says so
-        kd_mask = batch.get("distill_mask", batch["labels"] != -100)
-        if split is None:
-            logits = self(batch["input_ids"], batch["attention_mask"], batch.get("prompt_mask"))
-            labels = batch["labels"]
-            teacher = None
-            if self.gated and r.distill_weight:
-                from kvgate.recipes import teacher_logits
-
-                teacher = teacher_logits(self.model, adapters=r.distill_teacher == "adapted",
-                                         input_ids=batch["input_ids"],
-                                         attention_mask=batch["attention_mask"], use_cache=False)
-        else:
-            logits, teacher, labels = self._two_pass_logits(batch, split)
-            kd_mask = kd_mask[:, split - 1:]
-        lm, _ = causal_lm_loss(logits, labels)
-        terms = {"lm": lm}
-        loss = r.lm_weight * lm
-        if teacher is not None:
-            from kvgate.recipes import distillation_loss
-
-            predicted = kd_mask[:, 1:]  # positions whose next token is scored
-            kd = distillation_loss(logits[:, :-1], teacher[:, :-1], predicted,
-                                   r.distill_temperature)
-            loss = loss + r.distill_weight * kd
-            terms["distill"] = kd
-        if self.gated:
-            ev, stats = self.gate_terms(batch)
-            loss = loss + ev
-            terms |= {"evict": ev, "stats": stats}
-        return loss, terms
-
-    def _two_pass_logits(self, batch: dict[str, Tensor], p: int):
-        """Logits (and the teacher's, when distilling) from position p - 1 on, and the labels
-        aligned with them: the prompt encoded once without autograd, then the continuation."""
-        from kvgate.gate.prefix import continuation_positions, encoded_prompt
-        from kvgate.recipes import teacher_logits
-
-        ids = batch["input_ids"]
-        rest = ids[:, p:]
-        pos = continuation_positions(p, rest)
-        teacher = None
-        with encoded_prompt(self.model, ids[:, :p]) as last:
-            cont = self.model(input_ids=rest, position_ids=pos, use_cache=False).logits
-            if self.recipe_cfg.distill_weight:  # reads the same stored prompt, gates open
-                t_cont = teacher_logits(
-                    self.model, adapters=self.recipe_cfg.distill_teacher == "adapted",
-                    input_ids=rest, position_ids=pos, use_cache=False)
-                teacher = torch.cat([last, t_cont], 1)
-        # the last prompt position predicts the first continuation token; the prompt's
-        # positions do not depend on the gates, so its logits carry no gradient
-        return torch.cat([last.to(cont.dtype), cont], 1), teacher, batch["labels"][:, p - 1:]
 
     def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
         r = self.recipe_cfg
@@ -560,23 +295,10 @@ class KVGateModule(L.LightningModule):
     def configure_optimizers(self):
         gate_params = [p for g in gate_modules(self.model) for p in g.parameters() if p.requires_grad]
         lora_params = [p for p in lora_parameters(self.model) if p.requires_grad]
-        groups = []
-        if gate_params:
-            groups.append({"params": gate_params, "lr": self.optim_cfg.lr_gate, "name": "gates"})
-        if lora_params:
-            groups.append({"params": lora_params, "lr": self.optim_cfg.lr_lora, "name": "lora"})
-        if not groups:
+        if not gate_params and not lora_params:
             raise TrainingConfigError(f"KVGateModule.train={self.train_mode!r}: nothing to train")
-        optimizer = torch.optim.AdamW(groups, betas=self.optim_cfg.betas,
-                                      weight_decay=self.optim_cfg.weight_decay)
-        total = self.trainer.estimated_stepping_batches
-        total = int(total) if math.isfinite(total) else 10**9
-        warmup = round(self.optim_cfg.warmup_ratio * total)
-        floor = self.optim_cfg.min_lr_ratio
-        scheduler = torch.optim.lr_scheduler.LambdaLR(
-            optimizer, lambda step: lr_factor(step, total, warmup, floor))
-        return {"optimizer": optimizer,
-                "lr_scheduler": {"scheduler": scheduler, "interval": "step", "name": "lr"}}
+        return adamw_with_schedule(gate_params, lora_params, self.optim_cfg,
+                                   self.trainer.estimated_stepping_batches)
 
     def configure_callbacks(self):
         from kvgate.training.callbacks import default_callbacks
@@ -610,30 +332,3 @@ class KVGateModule(L.LightningModule):
                     f"checkpoint lacks {len(missing)} trainable tensor(s), e.g. {missing[0]!r}: "
                     f"it was written with another train/gate/lora setting")
         self.final_metrics.update(info.get("metrics", {}))
-
-
-def _check_quantize(quantize: str) -> None:
-    if quantize == "none":
-        return
-    if quantize not in ("4bit", "8bit"):
-        raise TrainingConfigError(
-            f"KVGateModule.quantize: must be 'none', '4bit' or '8bit' (got {quantize!r})")
-    if not torch.cuda.is_available():
-        raise TrainingConfigError(
-            f"KVGateModule.quantize={quantize!r} needs a CUDA GPU: bitsandbytes' CPU path gives "
-            "wrong LoRA gradients; use quantize: none on the CPU")
-    import importlib.util
-
-    if importlib.util.find_spec("bitsandbytes") is None:
-        raise TrainingConfigError(
-            f"KVGateModule.quantize={quantize!r} needs bitsandbytes: pip install 'kvgate[bnb]'")
-
-
-def _bnb_config(quantize: str, dtype: str):
-    from transformers import BitsAndBytesConfig
-
-    if quantize == "8bit":
-        return BitsAndBytesConfig(load_in_8bit=True)
-    compute = torch.bfloat16 if dtype == "bfloat16" else torch.float16
-    return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
-                              bnb_4bit_use_double_quant=True, bnb_4bit_compute_dtype=compute)

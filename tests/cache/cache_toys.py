@@ -9,7 +9,14 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from kvgate.policies.base import Budget, LayerPrompt, Policy
+from kvgate.policies.contract import (
+    Budget,
+    DecodeEvicting,
+    EncodeMasking,
+    LayerPrompt,
+    Policy,
+    StreamingPrefill,
+)
 
 
 def real_positions(valid: Tensor) -> Tensor:
@@ -56,14 +63,13 @@ class PatternPolicy(Policy):
         return torch.stack(rows)
 
 
-class EncodePattern(PatternPolicy):
+class EncodePattern(PatternPolicy, EncodeMasking):
     """The same pattern, applied inside the prefill (Attention-Gate style, eq. 5)."""
 
     name = "encode_pattern"
-    encode_mask = True
 
 
-class NewestPolicy(Policy):
+class NewestPolicy(DecodeEvicting):
     """Decode-time eviction that keeps the sink and the newest entries up to capacity.
 
     Its ``tag`` statistic stores each slot's position + 1 so tests can check that per-slot
@@ -71,10 +77,10 @@ class NewestPolicy(Policy):
     """
 
     name = "newest"
-    decode_eviction = True
 
     def __init__(self) -> None:
         self.selects = 0
+        self.prefill_rounds = 0
 
     def keep(self, prompt: LayerPrompt, budget: Budget) -> Tensor:
         b, hk, n = prompt.key.shape[:3]
@@ -88,8 +94,9 @@ class NewestPolicy(Policy):
         pos = real_positions(prompt.valid).float() + 1
         return {"tag": pos[:, None, :].expand(b, hk, n).clone()}
 
-    def decode_select(self, stats, logits, valid, positions, capacity):
+    def decode_select(self, stats, logits, valid, positions, capacity, prefill=False):
         self.selects += 1
+        self.prefill_rounds += int(prefill)
         tag = stats["tag"]
         old = tag > 0
         assert torch.equal(tag[old], positions[old].float() + 1), "stats lost alignment"
@@ -102,11 +109,10 @@ class NewestPolicy(Policy):
         return {"tag": tag}, (ranks < capacity[..., None]) & valid
 
 
-class StreamNewest(NewestPolicy):
+class StreamNewest(NewestPolicy, StreamingPrefill):
     """Evict-while-encoding in blocks: the sink and the newest ``capacity - 1`` stay."""
 
     name = "stream_newest"
-    stream_prefill = True
 
     def __init__(self, block: int = 3) -> None:
         super().__init__()

@@ -9,9 +9,10 @@ from conftest import build, tiny_mistral_config
 
 from kvgate.cache import CompressedCache
 from kvgate.policies import get_policy, list_policies
-from kvgate.policies.base import Budget
+from kvgate.policies.base import Budget, DecodeEvicting
 
-HEURISTICS = [name for name in list_policies() if name != "attention_gate"]
+LEARNED = {"attention_gate", "gate_hybrid"}  # need a gated model: tested below and in
+HEURISTICS = [name for name in list_policies() if name not in LEARNED]  # tests/policies
 # random eviction draws per batch row, so a batch need not equal its rows run alone
 RANDOMISED = {"nacl"}
 SMALL = {"snapkv": {"window": 4}, "pyramidkv": {"window": 4}, "adakv": {"inner_options": {"window": 4}},
@@ -43,7 +44,7 @@ def test_policy_through_cache(model, name):
     if name != "full":
         assert cache.kept_fraction() < 0.85
         assert cache.bytes_held() < 0.85 * cache.full_bytes()
-    if policy.decode_eviction:
+    if isinstance(policy, DecodeEvicting):
         for layer in range(model.config.num_hidden_layers):
             held = cache.kept_counts(layer)
             assert torch.equal(held, cache.layers[layer].capacity)
@@ -55,11 +56,13 @@ def test_policy_through_cache(model, name):
         assert batched[i].tolist() == alone[0].tolist(), f"sample {i}"
 
 
-@pytest.mark.parametrize("protected", [{}, {"sinks": 2, "recent": 3}])
+@pytest.mark.parametrize("protected", [{}, {"sinks": 2, "recent": 3}, {"previous_layer": True},
+                                       {"rope": False}])
 def test_attention_gate_prefill_equals_the_gated_model(model, protected):
     """The learned policy through the cache (eq. 5 prefill + compaction) gives the logits of
     the gated model's own masked forward, and generation continues from the kept entries;
-    also with protected sinks and a recent band (training and prefill must agree)."""
+    also with protected sinks and a recent band (training and prefill must agree), with gates
+    that read the previous layer's input, and without rotary positions in the gate."""
     from kvgate.gate import GateConfig, patch, unpatch
     from kvgate.models import dispatch
 
@@ -189,144 +192,3 @@ def test_attention_gate_tau_is_checked(bad):
 
     with pytest.raises(PolicyError, match="tau"):
         get_policy("attention_gate", tau=bad)
-
-
-def _spy_gate(**options):
-    """An attention_gate policy that records each layer's prompt and keep mask in ``seen``."""
-    from kvgate.policies.attention_gate import AttentionGatePolicy
-
-    class Spy(AttentionGatePolicy):
-        def keep(self, prompt, budget=None):
-            kept = super().keep(prompt, budget)
-            self.seen.append((prompt, kept))
-            return kept
-
-    spy = Spy(**options)
-    spy.seen = []
-    return spy
-
-
-def _gated_prefill(model, config, budget, **options):
-    """Per-layer keep masks of a left-padded prefill through the cache, and the cache."""
-    from kvgate.gate import patch, unpatch
-    from kvgate.models import dispatch
-
-    ids = torch.randint(1, 128, (2, 20), generator=torch.Generator().manual_seed(3))
-    mask = torch.ones_like(ids)
-    mask[1, :7] = 0  # 13 real tokens
-    torch.manual_seed(0)  # the same random gate weights every time
-    patch(model, config)
-    try:
-        dispatch.install(model)
-        spy = _spy_gate(**options)
-        cache = CompressedCache(model, spy, budget)
-        with torch.no_grad():
-            model(ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
-                  past_key_values=cache)
-        return [kept for _, kept in spy.seen], cache, spy
-    finally:
-        unpatch(model)
-
-
-@pytest.mark.parametrize("prefill, target", [("gated", "kv"), ("full", "kv"), ("full", "query")])
-def test_ranked_gate_keeps_the_budget_per_head_with_its_protected_tokens(model, prefill, target):
-    """rank=true keeps exactly ceil(n x ratio) entries of every KV head and row (left padding
-    excluded), the sinks and the recent prompt tokens among them, in every layer; also with a
-    gate per query head (two per KV head here)."""
-    from kvgate.gate import GateConfig
-
-    config = GateConfig(gamma=0.0, sinks=2, recent=3, prefill=prefill, target=target)
-    keeps, cache, _ = _gated_prefill(model, config, Budget(ratio=0.4), rank=True)
-    want = [8, 6]  # ceil(20 x 0.4), ceil(13 x 0.4)
-    for layer, kept in enumerate(keeps):
-        assert kept.sum(-1).tolist() == [[w] * kept.shape[1] for w in want]
-        assert cache.kept_counts(layer).tolist() == [[w] * kept.shape[1] for w in want]
-        assert kept[0, :, :2].all() and kept[1, :, 7:9].all()  # the first 2 real tokens
-        assert kept[:, :, -3:].all()  # the last 3 prompt tokens
-        assert not kept[1, :, :7].any()  # padding
-
-
-def test_ranked_and_thresholded_gates_keep_nested_sets_of_the_same_scores(model):
-    """The ranking reads the scores the threshold reads: in every head the ranked keep set
-    and the thresholded one are nested (both are top sets of one score), and budgets nest."""
-    from kvgate.gate import GateConfig
-
-    config = GateConfig(gamma=0.0, sinks=1)
-    flags, _, _ = _gated_prefill(model, config, Budget(ratio=1.0), prefill="full")
-    low, _, _ = _gated_prefill(model, config, Budget(ratio=0.3), rank=True, prefill="full")
-    high, _, _ = _gated_prefill(model, config, Budget(ratio=0.6), rank=True, prefill="full")
-    for f, lo, hi in zip(flags, low, high):
-        assert not (lo & ~hi).any()  # a smaller budget keeps a subset
-        for ranked in (lo, hi):
-            sub = ~(ranked & ~f).flatten(0, 1).any(-1)  # ranked within the flags, per head
-            sup = ~(f & ~ranked).flatten(0, 1).any(-1)  # the flags within ranked
-            assert bool((sub | sup).all())
-    # the random gate is not degenerate: some head keeps a different count than the budget
-    assert any(bool((f.sum(-1) != lo.sum(-1)).any()) for f, lo in zip(flags, low))
-
-
-def test_ranked_gate_needs_a_budget_and_takes_no_tau(model):
-    from kvgate.gate import GateConfig
-    from kvgate.policies.base import PolicyError
-
-    _, _, spy = _gated_prefill(model, GateConfig(gamma=0.0), Budget(ratio=0.5), rank=True)
-    prompt, _ = spy.seen[0]
-    with pytest.raises(PolicyError, match="rank=true.*budget"):
-        spy.keep(prompt, None)
-    with pytest.raises(PolicyError, match="tau"):
-        get_policy("attention_gate", rank=True, tau=0.7)
-    with pytest.raises(PolicyError, match="rank"):
-        get_policy("attention_gate", rank="yes")
-    assert get_policy("attention_gate").budget_free and not spy.budget_free
-
-
-@pytest.mark.parametrize("selector, options", [
-    ("h2o", None), ("snapkv", None), ("h2o", {"recent": 1}), ("snapkv", {"window": 2, "kernel": 1}),
-])
-def test_select_keeps_the_gates_counts_with_the_heuristics_entries(model, selector, options):
-    """select=h2o|snapkv: every (row, KV head) keeps as many entries as the thresholded gate,
-    and exactly the ones the heuristic keeps at that count (at its defaults, or at
-    select_options); with per-query-head gates too."""
-    from kvgate.gate import GateConfig
-
-    for target in ("kv", "query"):
-        config = GateConfig(gamma=0.0, sinks=2, recent=3, prefill="full", target=target)
-        flags, _, _ = _gated_prefill(model, config, Budget(ratio=1.0))
-        _, cache, spy = _gated_prefill(model, config, Budget(ratio=1.0), select=selector,
-                                       select_options=options)
-        heuristic = get_policy(selector, **(options or {}))
-        some_moved = False
-        for layer, ((prompt, kept), f) in enumerate(zip(spy.seen, flags)):
-            assert torch.equal(kept.sum(-1), f.sum(-1))
-            assert torch.equal(cache.kept_counts(layer), kept.sum(-1))
-            for b in range(kept.shape[0]):
-                for h in range(kept.shape[1]):
-                    count = int(kept[b, h].sum())
-                    alone = heuristic.keep(prompt, Budget(tokens=count))
-                    assert torch.equal(kept[b, h], alone[b, h]), (layer, b, h)
-            some_moved = some_moved or bool((kept != f).any())
-        assert some_moved  # the heuristic chose other entries than the gate somewhere
-        assert not spy.encode_mask and spy.needs_attention
-
-
-def test_select_is_checked():
-    from kvgate.policies.base import PolicyError
-
-    with pytest.raises(PolicyError, match="select: must be one of gate, h2o, snapkv"):
-        get_policy("attention_gate", select="tova")
-    with pytest.raises(PolicyError, match="select.*rank"):
-        get_policy("attention_gate", select="h2o", rank=True)
-    with pytest.raises(PolicyError, match="prefill: must be full with select=h2o"):
-        get_policy("attention_gate", select="h2o", prefill="gated")
-    with pytest.raises(PolicyError, match="select_options: needs select=h2o or select=snapkv"):
-        get_policy("attention_gate", select_options={"recent": 4})
-    with pytest.raises(PolicyError, match="select_options: policy 'h2o' has no option 'window'; "
-                                          "its options: recent, gqa"):
-        get_policy("attention_gate", select="h2o", select_options={"window": 4})
-    with pytest.raises(PolicyError, match="select_options: must be a mapping"):
-        get_policy("attention_gate", select="h2o", select_options=32)
-    with pytest.raises(PolicyError, match="snapkv.window"):  # the heuristic checks its values
-        get_policy("attention_gate", select="snapkv", select_options={"window": -1})
-    gate = get_policy("attention_gate", select="snapkv", tau=0.7)
-    assert gate.prefill == "full" and gate.budget_free
-    assert not get_policy("attention_gate").needs_attention

@@ -225,7 +225,7 @@ def test_decode_eviction_holds_capacity():
                 assert torch.equal(cache.kept_counts(i), after_prefill[i])
             assert cache.bytes_held() == held
     assert after_prefill[0].tolist() == [[6, 6]]
-    assert policy.selects == 12 * 2
+    assert policy.selects == 12 * 2 and policy.prefill_rounds == 0  # decoding: prefill=False
     assert cache.seen_tokens.tolist() == [16 + 12]
     assert cache.get_seq_length() == 28
 
@@ -244,8 +244,12 @@ def test_stream_prefill_matches_blockwise_reference(tiny_model):
     """Evict-while-encoding: each prompt block sees only what the earlier blocks left."""
     n, cap, block, steps = 17, 6, 3, 4
     ids = _ids(n, seed=6)
-    cache = CompressedCache(tiny_model, StreamNewest(block=block), Budget(tokens=cap))
+    policy = StreamNewest(block=block)
+    cache = CompressedCache(tiny_model, policy, Budget(tokens=cap))
     fed, logits, _ = _greedy(tiny_model, ids, cache, steps)
+    # blocks 5-7, 8-10, 11-13, 14-16 in every layer are prefill=True rounds, the steps are not
+    layers = tiny_model.config.num_hidden_layers
+    assert policy.prefill_rounds == 4 * layers and policy.selects == (4 + steps) * layers
     with torch.no_grad():
         prefill_logits = tiny_model(ids, past_key_values=CompressedCache(
             tiny_model, StreamNewest(block=block), Budget(tokens=cap))).logits

@@ -206,8 +206,8 @@ def test_one_policy_under_two_labels_with_different_options():
 
 def test_a_json_option_reaches_the_policy_as_a_mapping():
     """select_options={"recent": 32} is parsed as JSON: the gate's H2O selector gets recent 32."""
-    policies = cli.parse_policies("sel=attention_gate", ["sel.select=h2o",
-                                                         'sel.select_options={"recent": 32}'])
+    policies = cli.parse_policies("sel=gate_hybrid", ["sel.select=h2o",
+                                                      'sel.select_options={"recent": 32}'])
     assert policies["sel"].select_options == {"recent": 32}
     assert policies["sel"]._chooser.recent == 32
 
@@ -217,7 +217,7 @@ def lora_checkpoint(tmp_path_factory):
     """A tiny base folder and an exported gates + LoRA checkpoint whose adapter moves logits."""
     from training.kvtrain_fixtures import save_tiny_base
 
-    from kvgate.export import export_module
+    from kvgate.training.export import export_module
     from kvgate.training.module import KVGateModule
 
     root = tmp_path_factory.mktemp("lora_ck")

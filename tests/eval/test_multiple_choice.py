@@ -178,7 +178,7 @@ def test_ranked_gate_runs_at_each_budget_beside_the_thresholded_one(tiny_llama, 
     torch.manual_seed(5)
     patch(tiny_llama, GateConfig(gamma=0.0))
     policies = {"gate": get_policy("attention_gate"),
-                "ranked": get_policy("attention_gate", rank=True),
+                "ranked": get_policy("gate_hybrid", rank=True),
                 "h2o": get_policy("h2o")}
     st = store(tmp_path)
     keys = evaluate_mc(tiny_llama, TOK, {"toy": examples(6)}, policies,

@@ -1,4 +1,4 @@
-"""bench/summarize_ablation.py: the heuristic nearest the gate's eviction, the paired gap over
+"""experiments/summarize_ablation.py: the heuristic nearest the gate's eviction, the paired gap over
 the gate's windows, and a recipe's seeds pooled into one row (over seeds and over windows)."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from conftest import load_script
 
 from kvgate.eval.report import plot_ppl_vs_eviction
 
-summarize_ablation = load_script("bench/summarize_ablation.py")
+summarize_ablation = load_script("experiments/summarize_ablation.py")
 
 TOKENS = 100
 

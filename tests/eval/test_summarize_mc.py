@@ -1,4 +1,5 @@
-"""bench/summarize_mc.py: paired accuracy gaps over shared examples, and pairing across modes."""
+"""experiments/summarize_mc.py: paired accuracy gaps over shared examples, and pairing across
+modes."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from pathlib import Path
 
 from conftest import load_script
 
-summarize_mc = load_script("bench/summarize_mc.py")
+summarize_mc = load_script("experiments/summarize_mc.py")
 
 
 def record(policy: str, mode: str, hits: list[int], task: str = "rte") -> dict:

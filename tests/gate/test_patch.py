@@ -12,7 +12,9 @@ from kvgate.gate import (
     UnsupportedModelError,
     eviction_loss,
     gate_modules,
+    gate_records,
     gates_open,
+    last_flags,
     prompt_segment,
     retention_stats,
 )
@@ -62,7 +64,7 @@ def test_eviction_changes_logits_and_loss_is_alpha_abs_gap(tiny_llama):
     assert loss.item() == pytest.approx(2.0 * abs(r.item() - 0.3), rel=1e-5)
     assert stats["retention_per_head"].shape == (2, 2)  # layers x KV heads
     # %Evict is the sample mean of per-sample ratios (paper), retention the token mean
-    flags = torch.stack([g.last.gate for g in gate_modules(tiny_llama)])  # [L, B, H, n]
+    flags = torch.stack([f for f in last_flags(tiny_llama)])  # [L, B, H, n]
     real = am.bool()
     per_sample = [(flags[:, b][..., real[b]]).mean().item() for b in range(2)]
     expected = 100 * (1 - sum(per_sample) / 2)
@@ -74,7 +76,7 @@ def test_padding_does_not_count_in_retention(tiny_llama):
     x, am = _inputs(True)
     kvgate.patch(tiny_llama, GateConfig(gamma=0.0))
     tiny_llama(x, attention_mask=am)
-    gate = gate_modules(tiny_llama)[0].last
+    gate = gate_records(tiny_llama)[0][1]
     assert gate.counted.sum().item() == am.sum().item()
     # flags at padding are forced to 1 and excluded from the mean
     assert (gate.gate[0, :, :4] == 1).all()
@@ -87,9 +89,9 @@ def test_causal_gate_changing_next_token_leaves_the_past_unchanged(tiny_model):
     x2 = x.clone()
     x2[0, j + 1] = (x[0, j + 1] + 7) % 128
     out1 = tiny_model(x).logits
-    flags1 = [g.last.gate.clone() for g in gate_modules(tiny_model)]
+    flags1 = [f.clone() for f in last_flags(tiny_model)]
     out2 = tiny_model(x2).logits
-    flags2 = [g.last.gate for g in gate_modules(tiny_model)]
+    flags2 = [f for f in last_flags(tiny_model)]
     torch.testing.assert_close(out1[:, : j + 1], out2[:, : j + 1], atol=1e-6, rtol=0)
     for f1, f2 in zip(flags1, flags2):
         assert torch.equal(f1[..., : j + 1], f2[..., : j + 1])
@@ -104,9 +106,9 @@ def test_prompt_bidirectional_answer_tokens_cannot_change_prompt_flags(tiny_llam
     x2[0, 12] = (x[0, 12] + 5) % 128  # an answer token
     with prompt_segment(tiny_llama, prompt):
         out1 = tiny_llama(x).logits
-        f1 = [g.last.gate.clone() for g in gate_modules(tiny_llama)]
+        f1 = [f.clone() for f in last_flags(tiny_llama)]
         out2 = tiny_llama(x2).logits
-        f2 = [g.last.gate for g in gate_modules(tiny_llama)]
+        f2 = [f for f in last_flags(tiny_llama)]
     torch.testing.assert_close(out1[:, :12], out2[:, :12], atol=1e-6, rtol=0)
     for a, b in zip(f1, f2):
         assert torch.equal(a[..., :10], b[..., :10])
@@ -130,7 +132,7 @@ def test_sinks_never_evicted_and_ungated_layers(tiny_llama):
     x, am = _inputs(True)
     kvgate.patch(tiny_llama, GateConfig(gamma=0.0, tau=0.9, beta=0.0, sinks=2, ungated_layers=1))
     tiny_llama(x, attention_mask=am)
-    g0, g1 = [g.last.gate for g in gate_modules(tiny_llama)]
+    g0, g1 = [f for f in last_flags(tiny_llama)]
     assert (g0 == 1).all()  # first layer ungated
     assert (g1[1, :, :2] == 1).all()  # sample 1: first two tokens
     assert (g1[0, :, 4:6] == 1).all()  # sample 0 is left padded by 4
@@ -144,8 +146,8 @@ def test_previous_layer_gating_reads_previous_input(tiny_llama):
 
     seen = {}
 
-    def tap(module, q, k, v, mask, scaling, ctx):
-        seen[module.layer_idx] = (ctx["hidden"], ctx["position_embeddings"])
+    def tap(module, q, k, v, mask, scaling, call):
+        seen[module.layer_idx] = (call.hidden, call.position_embeddings)
 
     with tapped(tiny_llama, tap):
         tiny_llama(x)
@@ -154,14 +156,14 @@ def test_previous_layer_gating_reads_previous_input(tiny_llama):
     # layer 1's flags are computed from layer 0's input (so gates can run ahead of attention)
     from_prev = gate1(seen[0][0], seen[1][1])
     from_own = gate1(seen[1][0], seen[1][1])
-    assert torch.equal(gate1.last.gate, from_prev)
-    assert not torch.equal(gate1.last.gate, from_own)
+    assert torch.equal(last_flags(tiny_llama)[1], from_prev)
+    assert not torch.equal(last_flags(tiny_llama)[1], from_own)
 
 
 def test_per_query_head_target(tiny_mistral):
     kvgate.patch(tiny_mistral, GateConfig(gamma=0.0, target="query"))
     tiny_mistral(_inputs(False)[0])
-    assert gate_modules(tiny_mistral)[0].last.gate.shape == (2, 4, 14)
+    assert last_flags(tiny_mistral)[0].shape == (2, 4, 14)
 
 
 def test_patch_works_under_peft(tiny_llama):

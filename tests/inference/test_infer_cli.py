@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 from conftest import build, load_script, tiny_llama_config
 from engine_toys import char_tokenizer
 
@@ -69,3 +70,35 @@ def test_generates_and_prints_stats(cli, tiny_base, capsys, tmp_path):
     assert code == 0
     assert data["stats"]["prompt_tokens"] == [11]
     assert data["stats"]["kept_fraction"] == pytest.approx(6 / 11)
+
+
+def test_a_prompt_longer_than_the_model_is_refused_or_cut(cli, tiny_base, capsys):
+    """Issue 36, case 2: the tiny model takes 256 positions; 300 characters + 4 new tokens do
+    not fit. Refused in one line (exit 2), or cut from the start with --truncate, which says
+    how much it dropped."""
+    argv = ["--model", "tiny", "--prompt", "x" * 300, "--max-new-tokens", "4"]
+    code = cli.main(argv)
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and "Traceback" not in err
+    assert "prompt 0 has 300 tokens + 4 new tokens; the model takes at most 256" in err
+    assert "--truncate" in err
+    code = cli.main([*argv, "--truncate", "--json"])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    assert "prompt 0 cut to its last 252 of 300 tokens (dropped 48 from the start)" in err
+    assert json.loads(out)["stats"]["prompt_tokens"] == [252]
+
+
+@pytest.mark.parametrize("device, message", [
+    ("gpu", "device 'gpu' is not a device torch knows"),
+    ("cuda:x", "device 'cuda:x' is not a device torch knows"),
+    pytest.param("cuda", "device 'cuda': this torch is built without CUDA",
+                 marks=pytest.mark.skipif(torch.cuda.is_available() or torch.version.cuda
+                                          is not None, reason="a CUDA build of torch")),
+])
+def test_a_device_this_machine_lacks_is_one_line(cli, tiny_base, capsys, device, message):
+    """Issue 36, case 8: --device cuda on a CPU-only torch ended in a 39-line traceback."""
+    code = cli.main(["--model", "tiny", "--prompt", "hi", "--device", device])
+    err = capsys.readouterr().err
+    assert code == 2 and err.startswith(f"error: {message}")
+    assert err.count("\n") == 1 and tiny_base == []  # before any model was loaded

@@ -7,7 +7,7 @@ import pytest
 import torch
 from conftest import build, tiny_llama_config, tiny_mistral_config
 from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import GPT2Config, PreTrainedTokenizerFast, Qwen2Config
+from transformers import Gemma2Config, GPT2Config, PreTrainedTokenizerFast
 
 import kvgate.models.gguf as gguf_mod
 import kvgate.models.load as load_mod
@@ -85,8 +85,9 @@ def test_unknown_dtype_is_a_clear_error(bad):
 
 @pytest.mark.parametrize("config", [
     GPT2Config(n_layer=1, n_head=2, n_embd=16, vocab_size=128, n_positions=32),
-    Qwen2Config(num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
-                hidden_size=16, intermediate_size=32, vocab_size=128),
+    # Gemma 2 mixes sliding-window and global layers: refused (Qwen2 is supported now)
+    Gemma2Config(num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                 hidden_size=16, intermediate_size=32, vocab_size=128, head_dim=8),
 ])
 def test_unsupported_architecture_is_refused_before_weights_load(tmp_path, config):
     config.save_pretrained(tmp_path)  # config only: the check must not need weights
@@ -99,13 +100,12 @@ def test_unsupported_architecture_is_refused_before_weights_load(tmp_path, confi
 
 
 def test_unsupported_architecture_loads_when_not_required(tmp_path):
-    from transformers import Qwen2ForCausalLM
+    from transformers import GPT2LMHeadModel
 
-    config = Qwen2Config(num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
-                         hidden_size=16, intermediate_size=32, vocab_size=128)
-    folder = _save(Qwen2ForCausalLM(config), tmp_path / "q")
+    config = GPT2Config(n_layer=1, n_head=2, n_embd=16, vocab_size=128, n_positions=32)
+    folder = _save(GPT2LMHeadModel(config), tmp_path / "g")
     model, _ = load_base(folder, require_supported=False)
-    assert model.config.model_type == "qwen2"
+    assert model.config.model_type == "gpt2"
 
 
 def test_supported_families_pass_the_check():
@@ -246,7 +246,7 @@ def test_smollm2_loads_from_the_converted_cache(smollm2):
 @pytest.mark.slow
 def test_smollm2_perplexity_is_sane_and_it_generates(smollm2):
     from kvgate.demo import chat_answer
-    from kvgate.eval.perplexity import perplexity
+    from kvgate.models.perplexity import perplexity
 
     model, tokenizer = smollm2
     passage = ("The river flows slowly through the old town, past the market and the church. "

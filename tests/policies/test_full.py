@@ -1,7 +1,7 @@
 import torch
 from policy_testing import make_prompt
 
-from kvgate.policies import Budget, Full, get_policy
+from kvgate.policies import Budget, DecodeEvicting, Full, get_policy
 
 
 def test_full_keeps_every_real_entry_whatever_the_budget():
@@ -13,4 +13,5 @@ def test_full_keeps_every_real_entry_whatever_the_budget():
 
 def test_full_is_registered_and_evicts_nothing_while_decoding():
     policy = get_policy("full")
-    assert isinstance(policy, Full) and not policy.decode_eviction and not policy.encode_mask
+    assert isinstance(policy, Full) and not isinstance(policy, DecodeEvicting)
+    assert not policy.encode_mask

@@ -4,7 +4,7 @@ import pytest
 import torch
 from policy_testing import make_prompt
 
-from kvgate.policies import Budget, PolicyError, RoCo
+from kvgate.policies import Budget, PolicyError, RoCo, StreamingPrefill
 from kvgate.policies.roco import mas_std, roco_keep
 
 
@@ -95,4 +95,4 @@ def test_options_are_validated():
         RoCo(block=0)
     with pytest.raises(PolicyError, match="roco.recent_ratio"):
         RoCo(recent_ratio=1.0)
-    assert RoCo.stream_prefill and RoCo.decode_eviction
+    assert issubclass(RoCo, StreamingPrefill)  # and so DecodeEvicting

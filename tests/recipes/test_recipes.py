@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import kvgate
-from kvgate.gate import GateConfig, gate_modules, retention_stats
+from kvgate.gate import GateConfig, gate_modules, last_flags, retention_stats
 from kvgate.policies import get_policy
 from kvgate.policies.base import Budget
 from kvgate.recipes import RetentionSchedule, distillation_loss, heuristic_labels, teacher_logits
@@ -57,8 +57,7 @@ def test_protected_tokens_never_evicted(tiny_mistral):
     am = torch.ones(2, 16, dtype=torch.long)
     am[1, :5] = 0
     tiny_mistral(x, attention_mask=am)
-    for g in gate_modules(tiny_mistral):
-        flags = g.last.gate
+    for flags in last_flags(tiny_mistral):
         assert (flags[0, :, :3] == 1).all() and (flags[1, :, 5:8] == 1).all()
         assert (flags[0, :, 3:] == 0).all()  # everything else evicted at tau 0.999
     # evicted or not, each query still sees its last 4 keys: compare with a pure local mask

@@ -6,6 +6,7 @@ from __future__ import annotations
 import random
 from pathlib import Path
 
+import yaml
 from conftest import build, tiny_llama_config, tiny_mistral_config
 from lightning.pytorch import Callback
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
@@ -86,3 +87,27 @@ class FolderWriter(Callback):
 
     def __init__(self, dirpath: str = "somewhere") -> None:
         self.dirpath = dirpath
+
+
+def tiny_config(tmp_path: Path, base_dir: str, **trainer) -> Path:
+    """A complete run config on the tiny model and synthetic text."""
+    cfg = {
+        "seed_everything": 0,
+        "trainer": {"accelerator": "cpu", "devices": 1, "max_steps": 3, "logger": False,
+                    "enable_progress_bar": False, "enable_model_summary": False,
+                    "limit_val_batches": 0, "default_root_dir": str(tmp_path / "run"),
+                    "callbacks": [
+                        {"class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
+                         "init_args": {"dirpath": str(tmp_path / "run" / "ckpt"),
+                                       "save_last": True, "every_n_train_steps": 1}},
+                        {"class_path": "kvgate.training.callbacks.ExportGated",
+                         "init_args": {"dirpath": str(tmp_path / "run" / "gated")}}],
+                    **trainer},
+        "model": {"base_model": base_dir, "train": "gates_lora", "image_every_n_steps": 0,
+                  "gate": {"beta": 0.3}, "lora": {"rank": 4, "dropout": 0.0}},
+        "data": {"class_path": "kvtrain_fixtures.SyntheticCPT",
+                 "init_args": {"seq_len": 16, "batch_size": 2, "val_fraction": 0.0}},
+    }
+    path = tmp_path / "tiny.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path

@@ -8,9 +8,9 @@ import torch
 from kvtrain_fixtures import SyntheticCPT, save_tiny_base
 
 from kvgate.checkpoint import GATES_NAME
-from kvgate.export import export_module
 from kvgate.gate import GateConfig
 from kvgate.training.errors import TrainingConfigError
+from kvgate.training.export import export_module
 from kvgate.training.module import KVGateModule
 
 

@@ -1,0 +1,480 @@
+#!/usr/bin/env bash
+# Reproduces the runs behind docs/RESULTS.md and the log in experiments/LOG.md (CPU,
+# SmolLM2-135M, embedded data): `bash experiments/run_results.sh STEP [ARGS]`, the steps below.
+# Each step is resumable: trainings resume from their last.ckpt only if you pass --ckpt_path
+# last by hand, and evaluations skip keys already in their results.json (experiments/results
+# keeps per-example records only where docs/RESULTS.md pairs them: a step rerun into a folder
+# whose records were dropped scores them again). Two queues can run side by side
+# (OMP_NUM_THREADS=1 each) on a 2-core machine: `bash experiments/run_results.sh sft` and
+# `... eval`.
+# The variant configs in experiments/configs set no output folder: every training of one passes
+# --run_dir runs/abl_<variant> (`variant` below), the folder its config was named after.
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+source scripts/setup.sh
+export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
+TASKS7=piqa,arc_easy,arc_challenge,rte,copa,boolq,hellaswag
+R=experiments/results   # every evaluation writes a folder here
+C=experiments/configs   # the variant configs, layered on cpt_recipe
+# the 128 held-out 256 + 256-token windows every 256-token gate and heuristic is scored on
+WIN256=(--docs 2000 --context 256 --continuation 256 --windows 128 --no-progress)
+
+# gate_vs_best_heuristics CKPT OUT: a gate on the 7 tasks (1,300 examples) beside H2O and TOVA
+# at its per-example budgets in OUT, and RoCo (cache mode, the gate re-run in cache mode) in
+# OUT_b, a folder of its own so it can run beside the rest
+gate_vs_best_heuristics() {
+  local mc=(--checkpoint "$1" --tasks $TASKS7 --limit 200 --no-progress)
+  kvgate eval mc "${mc[@]}" --policies attention_gate --mode masked --out "$2"
+  kvgate eval matched "${mc[@]}" --policies h2o,tova --mode masked --out "$2"
+  kvgate eval matched "${mc[@]}" --policies roco --mode cache --out "${2}_b"
+  python experiments/summarize_mc.py "$2" "${2}_b" $R/mc_short_full --paired attention_gate
+}
+# a gate with a LoRA adapter: full and heuristics on the adapted model (gates open / adapter
+# on), and on the frozen base as the training-free heuristics are used (CKPT OUT POLICIES)
+lora_gate_vs_heuristics() {
+  local mc=(--checkpoint "$1" --tasks $TASKS7 --limit 200 --no-progress --mode masked)
+  kvgate eval mc "${mc[@]}" --policies attention_gate,full --out "$2"
+  kvgate eval matched "${mc[@]}" --policies "$3" --out "$2"
+  kvgate eval matched "${mc[@]}" --policies h2o,tova --others-on base --out "${2}_base"
+  python experiments/summarize_mc.py "$2" $R/mc_headroom_a $R/mc_short_full \
+    --paired attention_gate --any-mode
+  python experiments/summarize_mc.py "${2}_base" --paired attention_gate
+}
+# a gate and the heuristics at its budgets on the 7 tasks split over two folders (OUT, OUT_b)
+# that can run side by side, pooled beside H2O at fixed budgets and the full cache
+# (CKPT OUT POLICIES)
+matched_split() {
+  local mc=(--checkpoint "$1" --limit 200 --no-progress --mode masked --policies "$3")
+  kvgate eval matched "${mc[@]}" --tasks piqa,arc_easy,arc_challenge,copa --out "$2"
+  kvgate eval matched "${mc[@]}" --tasks rte,boolq,hellaswag --out "${2}_b"
+  python experiments/summarize_mc.py "$2" "${2}_b" $R/mc_headroom_a $R/mc_short_full \
+    --paired attention_gate --any-mode --merge
+}
+# kept_ratios RESULTS_JSON...: the kept ratios the gates in those records reached, rounded to
+# 0.01 and comma-joined (a heuristic's budget is a kept ratio)
+kept_ratios() {
+  python - "$@" <<'PY'
+import json, sys
+kept = {round(1 - rec["evict_pct"] / 100, 2)
+        for f in sys.argv[1:] for rec in json.load(open(f))["results"].values()}
+print(",".join(f"{k:.2f}" for k in sorted(kept)))
+PY
+}
+# ctx256_beta_gate VARIANT SEED: experiments/configs/recent64_256_<VARIANT>.yaml layered on
+# recent64_256 as seed SEED (0: runs/abl_recent64_256_VARIANT, k: ..._seed<k>), scored at keep
+# thresholds 0.5 and 0.56 over ctx256seed's 128 windows, H2O at every eviction it reaches and
+# SnapKV, StreamingLLM and random masks at the as-trained ones
+ctx256_beta_gate() {
+  local variant=$1 seed=$2 sfx=
+  [ "$seed" = 0 ] || sfx=_seed$seed
+  local name=abl_recent64_256_$variant$sfx out=$R/ppl_ctx256
+  local run=runs/$name
+  seed_run "$run" "$seed" --config cpt_recipe --config $C/recent64_256.yaml \
+    --config "$C/recent64_256_$variant.yaml"
+  kvgate eval ppl --checkpoint "$run/gated" --policies attention_gate "${WIN256[@]}" \
+    --out "$out/gate_$name"
+  local gates=()
+  gate_taus "$name" 56
+  kvgate eval ppl --model smollm2-135m --policies h2o --budgets "$(kept_ratios \
+    "$out/gate_$name/results.json" "${gates[@]}")" "${WIN256[@]}" --out "$out/heuristics"
+  kvgate eval ppl --model smollm2-135m --policies snapkv,streaming,random \
+    --budgets "$(kept_ratios "$out/gate_$name/results.json")" "${WIN256[@]}" --out "$out/heuristics"
+  python experiments/summarize_ablation.py "$out"
+}
+# gate_taus NAME TAU...: the gate of runs/NAME at keep thresholds 0.TAU over ctx256seed's 128
+# windows, each in experiments/results/ppl_ctx256/gate_NAME_tauTAU; appends those results.json
+# to `gates`
+gate_taus() {
+  local name=$1 tau out=$R/ppl_ctx256; shift
+  for tau in "$@"; do
+    kvgate eval ppl --checkpoint "runs/$name/gated" \
+      --policies "gate_tau$tau=attention_gate" --policy-opt "gate_tau$tau.tau=0.$tau" \
+      "${WIN256[@]}" --out "$out/gate_${name}_tau$tau"
+    gates+=("$out/gate_${name}_tau$tau/results.json")
+  done
+}
+# beta_curve VARIANT "TAU..." SEED...: the recent64_256_VARIANT gates of those seeds at the
+# keep thresholds (gate_taus), then H2O at every eviction they reach, then the summary
+beta_curve() {
+  local variant=$1 taus=$2 seed sfx gates=(); shift 2
+  [ $# -gt 0 ] || { echo "curve256$variant: name at least one SEED" >&2; exit 2; }
+  for seed in "$@"; do
+    sfx=; [ "$seed" = 0 ] || sfx=_seed$seed
+    # shellcheck disable=SC2086  # taus is a list
+    gate_taus "abl_recent64_256_$variant$sfx" $taus
+  done
+  kvgate eval ppl --model smollm2-135m --policies h2o \
+    --budgets "$(kept_ratios "${gates[@]}")" "${WIN256[@]}" --out $R/ppl_ctx256/heuristics
+  python experiments/summarize_ablation.py $R/ppl_ctx256
+}
+# variant NAME ARGS...: kvgate train ARGS with every output under runs/NAME
+variant() {
+  local name=$1; shift
+  kvgate train "$@" --run_dir "runs/$name"
+}
+# seed_run RUN SEED ARGS...: kvgate train ARGS as seed SEED with every output under RUN,
+# unless RUN already has its export; `--ckpt_path last` resumes from the run's newest valid
+# checkpoint (a fresh run says it starts from step 0)
+seed_run() {
+  local run=$1 seed=$2; shift 2
+  [ -f "$run/gated/kvgate_config.json" ] && return 0
+  kvgate train "$@" --seed_everything "$seed" --run_dir "$run" --ckpt_path last
+}
+# ctx_windows CONTEXT: sets `win` to the windows of that context's seed table
+ctx_windows() {
+  case "$1" in
+    256) win=("${WIN256[@]}") ;;
+    1024) win=(--docs 4000 --context 1024 --continuation 1024 --windows 64 --no-progress) ;;
+    *) echo "CONTEXT is 256 or 1024, got $1" >&2; exit 2 ;;
+  esac
+}
+# ctx1024_score NAME HEURISTICS: the gate of runs/NAME and HEURISTICS at its eviction over the
+# 64 held-out 1,024 + 1,024-token windows of the 1,024-token seed table, then the summary
+ctx1024_score() {
+  local name=$1 heur=$2 out=$R/ppl_ctx1024 win=()
+  ctx_windows 1024
+  kvgate eval ppl --checkpoint "runs/$name/gated" --policies attention_gate \
+    "${win[@]}" --out "$out/gate_$name"
+  kvgate eval ppl --model smollm2-135m --policies "$heur" \
+    --budgets "$(kept_ratios "$out/gate_$name/results.json")" "${win[@]}" --out "$out/heuristics"
+  python experiments/summarize_ablation.py "$out"
+}
+# ctx1024_gate NAME SEED HEURISTICS ARGS...: train.py ARGS as seed SEED into runs/NAME
+# (seed_run), then ctx1024_score NAME HEURISTICS
+ctx1024_gate() {
+  local name=$1 seed=$2 heur=$3; shift 3
+  seed_run "runs/$name" "$seed" "$@"
+  ctx1024_score "$name" "$heur"
+}
+# gate_select CONTEXT NAME SELECTOR [TAU]: the gate of runs/NAME (at keep threshold 0.TAU if
+# given) with SELECTOR (h2o, snapkv) choosing the entries inside its per-head counts
+# (gate_hybrid's `select`), over the windows of that context's seed table, into
+# experiments/results/ppl_ctxCONTEXT/gate_NAME[_tauTAU]_selSELECTOR
+gate_select() {
+  local ctx=$1 name=$2 sel=$3 tau=${4:-} win=() opts=() sfx=
+  ctx_windows "$ctx"
+  [ -n "$tau" ] && { opts=(--policy-opt "gate_sel$sel.tau=0.$tau"); sfx=_tau$tau; }
+  kvgate eval ppl --checkpoint "runs/$name/gated" \
+    --policies "gate_sel$sel=gate_hybrid" --policy-opt "gate_sel$sel.select=$sel" \
+    "${opts[@]}" "${win[@]}" --out "$R/ppl_ctx$ctx/gate_${name}${sfx}_sel$sel"
+}
+# gate_ranked CONTEXT NAME: the gate of runs/NAME ranked (gate_hybrid's `rank`) at the kept
+# ratio its thresholded run reached, the same count in every layer and head, into
+# experiments/results/ppl_ctxCONTEXT/gate_NAME_ranked: the gate's choice of entries at a
+# uniform allocation
+gate_ranked() {
+  local ctx=$1 name=$2 win=() out=$R/ppl_ctx$1
+  ctx_windows "$ctx"
+  kvgate eval ppl --checkpoint "runs/$name/gated" --policies ranked=gate_hybrid \
+    --policy-opt ranked.rank=true --budgets "$(kept_ratios "$out/gate_$name/results.json")" \
+    "${win[@]}" --out "$out/gate_${name}_ranked"
+}
+# the config layers of the one-shot 1,024-token gates with a 64-key band
+ONESHOT64=(--config cpt_recipe --config $C/distill_protected_long.yaml
+  --config $C/oneshot64_1024.yaml)
+# the config layers of abl_mc_tasks, under which its variants stack theirs
+MC_TASKS=(--config cpt_recipe --config $C/mc_short.yaml
+  --config $C/mc_tasks.yaml)
+HEUR=full,streaming,window,h2o,tova,snapkv,adakv,nacl,ahakv
+
+case "${1:-all}" in
+  base)   # every heuristic at 50 % on the base model (7 tasks, masked mode)
+    kvgate eval mc --model smollm2-135m --tasks $TASKS7 --limit 30 \
+      --policies $HEUR --budgets 0.5 --mode masked --no-progress --out $R/mc_base_050
+    kvgate eval mc --model smollm2-135m --tasks $TASKS7 --limit 30 \
+      --policies pyramidkv,random,snapkv10=snapkv --policy-opt snapkv10.window=0.1 \
+      --budgets 0.5 --mode masked --no-progress --out $R/mc_base_050
+    kvgate eval mc --model smollm2-135m --tasks $TASKS7 --limit 30 --policies roco \
+      --budgets 0.5 --mode cache --no-progress --out $R/mc_base_050 ;;
+  cpt)    # CPT: paper recipe (gates + LoRA) and the small-compute recipe (gates only)
+    kvgate train --config cpt_demo
+    # the `cpt_recipe` rows were trained with the warm start on (the default before the ablation)
+    kvgate train --config cpt_recipe --model.recipe.warmstart_steps 30 ;;
+  sft)    # SFT: gates + LoRA vs LoRA only on RTE and COPA (COPA: a layer on the RTE demo)
+    kvgate train --config sft_demo_rte
+    kvgate train --config sft_demo_rte --model.train lora --run_dir runs/sft_demo_rte_lora
+    kvgate train --config sft_demo_rte --config sft/demo_copa --run_dir runs/sft_demo_copa
+    kvgate train --config sft_demo_rte --config sft/demo_copa --model.train lora \
+      --run_dir runs/sft_demo_copa_lora ;;
+  gate)   # a CPT gate on the 7 tasks, then the heuristics at its per-example eviction
+    ck=$2; out=$3
+    kvgate eval mc --checkpoint "$ck" --tasks $TASKS7 --limit 30 \
+      --policies full,attention_gate --mode masked --no-progress --patterns 3 --out "$out"
+    kvgate eval matched --checkpoint "$ck" --tasks $TASKS7 --limit 30 \
+      --policies streaming,h2o,tova,snapkv --mode masked --no-progress --out "$out" ;;
+  sfteval) # SFT checkpoints on the held-out part: gate + matched heuristics; LoRA-only at 50 %
+    for t in rte copa; do
+      kvgate eval mc --checkpoint runs/sft_demo_$t/gated --tasks $t --split sft_test \
+        --policies full,attention_gate --mode masked --no-progress --out $R/sft_$t
+      kvgate eval matched --checkpoint runs/sft_demo_$t/gated --tasks $t \
+        --split sft_test --policies streaming,h2o,snapkv,tova --mode masked --no-progress \
+        --out $R/sft_$t
+      kvgate eval mc --checkpoint runs/sft_demo_${t}_lora/gated --tasks $t \
+        --split sft_test --policies full,streaming,h2o,snapkv,tova --budgets 0.5 \
+        --mode masked --no-progress --out $R/sft_${t}_lora
+    done ;;
+  ppl)    # held-out perplexity under eviction: gate(s) and heuristics at given kept ratios
+    ck=$2; out=$3; budgets=$4
+    kvgate eval ppl --checkpoint "$ck" --policies full,attention_gate --docs 40 \
+      --max-length 512 --no-progress --out "$out"
+    kvgate eval ppl --checkpoint "$ck" --policies streaming,h2o,tova,snapkv \
+      --budgets "$budgets" --docs 40 --max-length 512 --no-progress --out "$out" ;;
+  ablation) # issue #7 ablation: cpt_recipe with switches taken away (experiments/configs/)
+    for v in lm_alpha20 distill distill_protected distill_protected_long; do
+      variant abl_$v --config cpt_recipe --config $C/$v.yaml
+    done
+    # the 1,024-token variant with a 128-token recent band, then with a prompt/continuation split
+    for v in recent128_long prompt_split_long; do
+      variant abl_$v --config cpt_recipe --config $C/distill_protected_long.yaml --config $C/$v.yaml
+    done
+    # 100 more steps on the recent-band gate, from its export (model.init_from)
+    variant abl_recent128_more --config cpt_recipe --config $C/distill_protected_long.yaml \
+      --config $C/recent128_long.yaml --config $C/recent128_more.yaml
+    # a 64-key band on 256-token blocks
+    variant abl_recent64_256 --config cpt_recipe --config $C/recent64_256.yaml ;;
+  pplctx) # perplexity at a fixed context: every gate, then the heuristics at each gate's eviction
+    ctx=$2; cont=$3; windows=$4; out=$5; shift 5
+    gates=("$@")   # gated checkpoint folders, e.g. runs/cpt_recipe/gated runs/abl_distill/gated
+    # held-out tail: the last 2,000 documents for 256-token windows, 4,000 from 1,024 on (32
+    # windows of 2,048 tokens need more text); the rows in experiments/LOG.md used exactly these
+    docs=$(( ctx >= 1024 ? 4000 : 2000 ))
+    win=(--docs "$docs" --context "$ctx" --continuation "$cont" --windows "$windows" --no-progress)
+    for ck in "${gates[@]}"; do
+      name=$(basename "$(dirname "$ck")")
+      kvgate eval ppl --checkpoint "$ck" --policies attention_gate "${win[@]}" \
+        --out "$out/gate_$name"
+    done
+    budgets=$(kept_ratios "$out"/gate_*/results.json)
+    kvgate eval ppl --model smollm2-135m --policies full "${win[@]}" --out "$out/heuristics"
+    kvgate eval ppl --model smollm2-135m --policies h2o,snapkv,streaming,random \
+      --budgets "$budgets" "${win[@]}" --out "$out/heuristics" ;;
+  needle) # passkey retrieval by length and depth (rank scoring): base model 1k-8k, then a gate
+    kvgate eval needle --model smollm2-135m --lengths 1024,2048 --depths 0,50,100 \
+      --samples 2 --policies full,streaming,h2o,snapkv,tova --budgets 0.25 --scoring rank \
+      --no-progress --out $R/needle
+    kvgate eval needle --model smollm2-135m --lengths 4096,8192 --depths 0,50,100 \
+      --samples 1 --policies full,h2o,streaming,snapkv --budgets 0.25 --scoring rank \
+      --no-progress --out $R/needle_long
+    # the 1,024-token-trained gate next to H2O / StreamingLLM (train it with the ablation step)
+    g=runs/abl_distill_protected_long/gated
+    kvgate eval needle --checkpoint $g --lengths 1024,2048 --depths 0,50,100 --samples 2 \
+      --policies attention_gate,h2o,streaming --budgets 0.4 --scoring rank --no-progress \
+      --out $R/needle_gate
+    kvgate eval needle --checkpoint $g --lengths 4096 --depths 0,50,100 --samples 1 \
+      --policies attention_gate,h2o,streaming --budgets 0.4 --scoring rank --no-progress \
+      --out $R/needle_gate ;;
+  mcshort) # a one-shot gate sized for the short MC contexts, then the 7 tasks at ~42% eviction
+    variant abl_mc_short --config cpt_recipe --config $C/mc_short.yaml
+    ck=runs/abl_mc_short/gated; out=$R/mc_short_050
+    mc=(--checkpoint $ck --tasks $TASKS7 --no-progress)
+    kvgate eval mc "${mc[@]}" --limit 100 --policies attention_gate,full --mode masked --out $out
+    kvgate eval matched "${mc[@]}" --limit 100 --policies streaming,h2o,tova,snapkv \
+      --mode masked --out $out
+    kvgate eval matched "${mc[@]}" --limit 100 --policies roco --mode cache --out $out
+    # the gate and the three strongest heuristics on 100 more examples per task (COPA has 100)
+    kvgate eval matched "${mc[@]}" --limit 200 --policies h2o,tova --mode masked --out $out
+    kvgate eval matched "${mc[@]}" --limit 200 --policies roco --mode cache --out $out
+    # the full cache on all 1,300: a gates-only checkpoint with its gates open is the base
+    kvgate eval mc --model smollm2-135m --tasks $TASKS7 --limit 200 --policies full \
+      --mode masked --no-progress --out $R/mc_short_full
+    python experiments/summarize_mc.py $out $R/mc_short_full --paired attention_gate
+    python experiments/summarize_mc.py $out $R/mc_short_full --paired full --any-mode ;;
+  mctasks) # abl_mc_short's gate trained on MC prompts of four other tasks (needs `cpt` first)
+    variant abl_mc_tasks "${MC_TASKS[@]}"
+    gate_vs_best_heuristics runs/abl_mc_tasks/gated $R/mc_tasks
+    python experiments/summarize_mc.py $R/mc_tasks $R/mc_tasks_b $R/mc_short_full \
+      --paired full --any-mode ;;
+  mctasksall) # abl_mc_tasks' gate trained on with every answer choice distilled (needs `mctasks`)
+    all=("${MC_TASKS[@]}" --config $C/mc_tasks_all.yaml)
+    variant abl_mc_tasks_all "${all[@]}"
+    gate_vs_best_heuristics runs/abl_mc_tasks_all/gated $R/mc_tasks_all
+    # against the heuristics at the fixed 50% budget (`headroom`) and the full cache
+    python experiments/summarize_mc.py $R/mc_tasks_all $R/mc_headroom_a \
+      $R/mc_headroom_b $R/mc_short_full --paired attention_gate --any-mode
+    # its control: the same 80 more steps on the gold answer alone
+    variant abl_mc_tasks_more "${all[@]}" --config $C/mc_tasks_more.yaml
+    kvgate eval matched --checkpoint runs/abl_mc_tasks_more/gated --tasks $TASKS7 \
+      --limit 200 --no-progress --policies h2o --mode masked --out $R/mc_tasks_more
+    python experiments/summarize_mc.py $R/mc_tasks_more $R/mc_headroom_a \
+      $R/mc_short_full --paired attention_gate --any-mode ;;
+  mctaskslora) # abl_mc_tasks' gate trained on with LoRA distilled towards the frozen base
+    lora=("${MC_TASKS[@]}" --config $C/mc_tasks_all.yaml --config $C/mc_tasks_more.yaml
+      --config $C/mc_tasks_lora.yaml)
+    variant abl_mc_tasks_lora "${lora[@]}"
+    lora_gate_vs_heuristics runs/abl_mc_tasks_lora/gated $R/mc_tasks_lora h2o,tova
+    # the adapter's lr raised 4x
+    variant abl_mc_tasks_lora_hi "${lora[@]}" --config $C/mc_tasks_lora_hi.yaml
+    lora_gate_vs_heuristics runs/abl_mc_tasks_lora_hi/gated $R/mc_tasks_lora_hi h2o ;;
+  mctasksseed1) # abl_mc_tasks again with another seed (training and prompt order)
+    variant abl_mc_tasks_seed1 "${MC_TASKS[@]}" --config $C/mc_tasks_seed1.yaml
+    matched_split runs/abl_mc_tasks_seed1/gated $R/mc_tasks_seed1 h2o ;;
+  mctasksbidir) # abl_mc_tasks with a gate that reads the whole prompt (needs `cpt`)
+    variant abl_mc_tasks_bidir "${MC_TASKS[@]}" --config $C/mc_tasks_bidir.yaml
+    matched_split runs/abl_mc_tasks_bidir/gated $R/mc_tasks_bidir h2o,tova ;;
+  mctasksb22) # abl_mc_tasks aimed at ~68% eviction, where the heuristics lose more (needs `cpt`)
+    variant abl_mc_tasks_b22 "${MC_TASKS[@]}" --config $C/mc_tasks_b22.yaml
+    matched_split runs/abl_mc_tasks_b22/gated $R/mc_tasks_b22 h2o,tova ;;
+  mctasks3shot) # abl_mc_tasks trained on 3-shot prompts (MMLU out), then scored as `mcfewshot`
+    # scores the zero-shot gates: 3-shot, 200 per task (needs `cpt`)
+    variant abl_mc_tasks_3shot "${MC_TASKS[@]}" --config $C/mc_tasks_3shot.yaml
+    bash "$0" mcfewshot abl_mc_tasks_3shot 3 200 ;;
+  mcselect) # NAME OUT HEUR...: the MC gate of runs/NAME as trained and as gate_hybrid with
+    # select=h2o (its counts per example, layer and KV head; H2O's choice inside them), at H2O's
+    # default recent
+    # half and with H2O's recent window set to the gate's own 3-token band (_r3), on the 7
+    # tasks; H2O_r3 at the gate's eviction; paired with the HEUR folders (H2O at the gate's
+    # budgets, e.g. experiments/results/mc_tasks), H2O at 0.5 and the full cache
+    ck=runs/$2/gated; out=$3; shift 3
+    mc=(--checkpoint "$ck" --tasks $TASKS7 --limit 200 --no-progress --mode masked --out "$out")
+    kvgate eval mc "${mc[@]}" \
+      --policies attention_gate,gate_h2o=gate_hybrid,gate_h2o_r3=gate_hybrid \
+      --policy-opt gate_h2o.select=h2o --policy-opt gate_h2o_r3.select=h2o \
+      --policy-opt 'gate_h2o_r3.select_options={"recent": 3}'
+    kvgate eval matched "${mc[@]}" --policies h2o_r3=h2o --policy-opt h2o_r3.recent=3 \
+      --rounding nearest
+    python experiments/summarize_mc.py "$out" "$@" $R/mc_headroom_a $R/mc_short_full \
+      --paired gate_h2o_r3 --any-mode --merge ;;
+  mcfewshot) # NAME K LIMIT [TASKS]: the MC gate of runs/NAME on K-shot prompts
+    # (kvgate.data.fewshot), the first LIMIT examples of each task; then H2O with the gate's
+    # 3-token window, default H2O, SnapKV and the full cache at its per-example eviction, task
+    # by task, into experiments/results/mc_<NAME without abl_>_Kshot_nLIMIT (two of these side
+    # by side may split the tasks between them: they share the folder)
+    name=$2; k=$3; limit=$4; tasks=${5:-$TASKS7}
+    out=$R/mc_${name#abl_mc_}_${k}shot_n$limit
+    kvgate eval matched --checkpoint "runs/$name/gated" --tasks "$tasks" \
+      --limit "$limit" --num-fewshot "$k" --no-progress --mode masked --patterns 0 \
+      --policies h2o_r3=h2o,h2o,snapkv,full --policy-opt h2o_r3.recent=3 --out "$out"
+    python experiments/summarize_mc.py "$out" --paired attention_gate ;;
+  mctasksranked) # abl_mc_tasks' gate ranking at the heuristics' fixed budgets (needs `mctasks`)
+    for b in 0.5 0.3; do
+      kvgate eval mc --checkpoint runs/abl_mc_tasks/gated --tasks $TASKS7 --limit 200 \
+        --no-progress --mode masked --policies ranked=gate_hybrid --policy-opt ranked.rank=true \
+        --budgets $b --out $R/mc_tasks_ranked_${b/./}0
+    done
+    python experiments/summarize_mc.py $R/mc_tasks_ranked_050 $R/mc_tasks_ranked_030 \
+      $R/mc_headroom_a $R/mc_headroom_b $R/mc_headroom_c --paired ranked \
+      --same-budget --any-mode ;;
+  pplseed) # the 1,024-token chain behind abl_oneshot128_more again with another seed (SEED),
+    # then its gate and H2O / SnapKV at its eviction over the 64 windows of the seed-0 gate; a
+    # stage whose export exists is skipped, one with a last.ckpt resumes from it. Only the
+    # seed and the output folders change (--run_dir): documents and order stay seed 0's, as
+    # another corpus sample could overlap the held-out tail the perplexity runs read.
+    seed=$2
+    chain=(--config cpt_recipe --config $C/distill_protected_long.yaml)
+    start=()
+    for s in recent128_long recent128_more oneshot128_1024 oneshot128_more; do
+      chain+=(--config $C/$s.yaml)
+      run=runs/abl_${s}_seed$seed
+      seed_run "$run" "$seed" "${chain[@]}" "${start[@]}"
+      start=(--model.init_from "$run/gated")   # the next stage starts from this one
+    done
+    ctx1024_score "abl_oneshot128_more_seed$seed" h2o,snapkv ;;
+  ctx256seed) # abl_recent64_256 (the 256-token win) again with another seed (SEED), then its
+    # gate at tau 0.5 and 0.56 and the heuristics at its evictions over the same 128 windows
+    seed=$2; run=runs/abl_recent64_256_seed$seed; out=$R/ppl_ctx256
+    seed_run "$run" "$seed" --config cpt_recipe --config $C/recent64_256.yaml
+    win=("${WIN256[@]}")
+    kvgate eval ppl --checkpoint "$run/gated" --policies attention_gate "${win[@]}" \
+      --out "$out/gate_abl_recent64_256_seed$seed"
+    kvgate eval ppl --checkpoint "$run/gated" --policies gate_tau56=attention_gate \
+      --policy-opt gate_tau56.tau=0.56 "${win[@]}" \
+      --out "$out/gate_abl_recent64_256_seed${seed}_tau56"
+    budgets=$(kept_ratios "$out/gate_abl_recent64_256_seed$seed/results.json" \
+      "$out/gate_abl_recent64_256_seed${seed}_tau56/results.json")
+    kvgate eval ppl --model smollm2-135m --policies h2o,snapkv,streaming,random \
+      --budgets "$budgets" "${win[@]}" --out "$out/heuristics"
+    python experiments/summarize_ablation.py "$out" ;;
+  curve256) # the 256-token gates of seeds 1-4 (abl_recent64_256_seed<k>, the ctx256seed
+    # step) at keep thresholds 0.6 and 0.65 (trained at 0.5; 0.56 is the ctx256seed step), so
+    # each gate is a curve over ~40-58% eviction, with H2O at every eviction they reach and
+    # SnapKV and StreamingLLM at 55-65% for their curves. Two queues side by side: PART a
+    # (seeds 1-2) and b (seeds 3-4, then SnapKV and StreamingLLM). Seed 0's gate
+    # (runs/abl_recent64_256) was not on the machine that ran this; add "" to a's seeds for it
+    part=${2:-}; out=$R/ppl_ctx256
+    [[ "$part" =~ ^[ab]$ ]] || { echo "curve256: PART must be a or b" >&2; exit 2; }
+    win=("${WIN256[@]}")
+    seeds=(_seed1 _seed2); [ "$part" = b ] && seeds=(_seed3 _seed4)
+    gates=()
+    for s in "${seeds[@]}"; do gate_taus "abl_recent64_256$s" 60 65; done
+    kvgate eval ppl --model smollm2-135m --policies h2o \
+      --budgets "$(kept_ratios "${gates[@]}")" "${win[@]}" --out "$out/heuristics"
+    [ "$part" = b ] && kvgate eval ppl --model smollm2-135m \
+      --policies snapkv,streaming --budgets 0.45,0.4,0.35 "${win[@]}" --out "$out/heuristics"
+    python experiments/summarize_ablation.py "$out" ;;
+  ctx256b25) # a 256-token gate trained for more eviction (beta 0.25, recent64_256_b25) as seed
+    # SEED (0: runs/abl_recent64_256_b25, k: ..._seed<k>), scored at keep thresholds 0.5 (as
+    # trained) and 0.56 over the 128 windows of ctx256seed, with H2O at every eviction it reaches
+    # and SnapKV, StreamingLLM and random masks at the as-trained ones
+    ctx256_beta_gate b25 "$2" ;;
+  ctx256b15) # the same at beta 0.15 (recent64_256_b15: ~64% of the prompt), for the range past
+    # the ~60% where the beta-0.25 gates stop leading H2O
+    ctx256_beta_gate b15 "$2" ;;
+  ctx256b05) # the same at beta 0.05 (recent64_256_b05: ~70% of the prompt), for the range
+    # past the ~66% where the beta-0.15 gates stop leading H2O
+    ctx256_beta_gate b05 "$2" ;;
+  ctx256band32) # the same with a 32-token band at beta 0.2 (recent64_256_band32_b20: ~69% of
+    # the prompt), to see whether the band, not the training, ends the lead at ~66%
+    ctx256_beta_gate band32_b20 "$2" ;;
+  curve256b25) # the beta-0.25 gates of the ctx256b25 step (SEED...: 0 is the unsuffixed run)
+    # at keep thresholds 0.44 and 0.65 besides 0.5 and 0.56, so each is a curve over ~50-64%
+    # eviction, with H2O at every eviction they reach (SnapKV, StreamingLLM: the curve256 step)
+    shift; beta_curve b25 "44 65" "$@" ;;
+  curve256b15) # the beta-0.15 gates of the ctx256b15 step at keep thresholds 0.65 and 0.75
+    # (~68% and ~71% on the first 6 windows), to find where their lead over H2O ends
+    shift; beta_curve b15 "65 75" "$@" ;;
+  curve256band32) # the band-32 gates of the ctx256band32 step at keep threshold 0.65 (past the
+    # ~74% of tau 0.56), to find where their lead over H2O ends
+    shift; beta_curve band32_b20 "65" "$@" ;;
+  curve256band32low) # the same gates at keep thresholds 0.35 and 0.44: do they lead H2O below
+    # the ~69% they were trained for too, where the 64-token band's gates do?
+    shift; beta_curve band32_b20 "35 44" "$@" ;;
+  curve256band32mid) # the same gates at keep thresholds 0.2 and 0.27 (~46% and ~52% on the
+    # first 6 windows): does the gate trained for ~69% also lead H2O at ~50%?
+    shift; beta_curve band32_b20 "20 27" "$@" ;;
+  ctx1024band64) # the band-32 256-token gate of seed SEED trained on one-shot at 1,024 tokens
+    # with a 64-key band (oneshot64_1024.yaml), then its gate and H2O / SnapKV at its eviction
+    seed=$2; sfx=; [ "$seed" = 0 ] || sfx=_seed$seed
+    ctx1024_gate "abl_oneshot64_1024$sfx" "$seed" h2o,snapkv "${ONESHOT64[@]}" \
+      --model.init_from "runs/abl_recent64_256_band32_b20$sfx/gated" ;;
+  ctx1024band64more) # the ctx1024band64 gate of seed SEED trained 160 more one-shot steps on
+    # new documents (oneshot64_1024_more.yaml), then its gate and H2O at its eviction
+    seed=$2; sfx=; [ "$seed" = 0 ] || sfx=_seed$seed
+    ctx1024_gate "abl_oneshot64_1024_more$sfx" "$seed" h2o "${ONESHOT64[@]}" \
+      --config $C/oneshot64_1024_more.yaml \
+      --model.init_from "runs/abl_oneshot64_1024$sfx/gated" ;;
+  select) # CONTEXT SELECTOR[:TAU] NAME...: the gates of runs/NAME... (at keep threshold 0.TAU)
+    # with SELECTOR choosing inside their per-head counts (gate_select), then the summary: the
+    # gate's allocation of the cache over layers and heads, with the heuristic's choice
+    ctx=$2 sel=${3%%:*} tau=; [[ $3 == *:* ]] && tau=${3#*:}; shift 3
+    for name in "$@"; do gate_select "$ctx" "$name" "$sel" "$tau"; done
+    python experiments/summarize_ablation.py "$R/ppl_ctx$ctx" ;;
+  ranked) # CONTEXT NAME...: the gates of runs/NAME... ranked at their own kept ratio in every
+    # layer and head (gate_ranked), then the summary: the gate's choice without its allocation
+    ctx=$2; shift 2
+    for name in "$@"; do gate_ranked "$ctx" "$name"; done
+    python experiments/summarize_ablation.py "$R/ppl_ctx$ctx" ;;
+  h2or32) # H2O with a 32-token recent window (the LongBench-style setting) at the kept ratios
+    # behind the select / band-32 perplexity claims, beside default H2O (experiments/LOG.md 5c)
+    r32=(--model smollm2-135m --policies h2o_r32=h2o --policy-opt h2o_r32.recent=32)
+    kvgate eval ppl "${r32[@]}" --budgets 0.53,0.51,0.5,0.47,0.31,0.3 "${WIN256[@]}" \
+      --out $R/ppl_ctx256/heuristics
+    ctx_windows 1024
+    kvgate eval ppl "${r32[@]}" --budgets 0.48,0.49 "${win[@]}" \
+      --out $R/ppl_ctx1024/heuristics ;;
+  headroom) # how far the best heuristics sit below the full cache on the 7 tasks (base model)
+    mc=(--model smollm2-135m --tasks $TASKS7 --limit 200 --budgets 0.5,0.3 --no-progress)
+    kvgate eval mc "${mc[@]}" --policies h2o --mode masked --out $R/mc_headroom_a
+    kvgate eval mc "${mc[@]}" --policies tova --mode masked --out $R/mc_headroom_b
+    # H2O with a 3-token recent window, the MC gates' closing band (experiments/LOG.md 5b,
+    # gate_hybrid select=h2o)
+    kvgate eval mc "${mc[@]}" --policies h2o_r3=h2o --policy-opt h2o_r3.recent=3 \
+      --mode masked --out $R/mc_headroom_r3
+    # RoCo streams its cache block by block (slow): one folder per budget, so the two can run
+    # side by side
+    mc=(--model smollm2-135m --tasks $TASKS7 --limit 200 --no-progress --policies roco --mode cache)
+    kvgate eval mc "${mc[@]}" --budgets 0.5 --out $R/mc_headroom_b
+    kvgate eval mc "${mc[@]}" --budgets 0.3 --out $R/mc_headroom_c
+    python experiments/summarize_mc.py $R/mc_headroom_a $R/mc_headroom_b \
+      $R/mc_headroom_c $R/mc_headroom_r3 $R/mc_short_full --paired full --any-mode ;;
+  *) echo "usage: $0 base|cpt|sft|gate CKPT OUT|sfteval|ppl CKPT OUT BUDGETS|ablation|pplctx CTX CONT WINDOWS OUT GATE...|needle|mcshort|mctasks|mctasksall|mctaskslora|mctasksseed1|mctasksbidir|mctasksb22|mctasks3shot|mctasksranked|mcselect NAME OUT HEUR...|mcfewshot NAME K LIMIT [TASKS]|pplseed SEED|ctx256seed SEED|curve256 PART|ctx256b25 SEED|ctx256b15 SEED|ctx256b05 SEED|ctx256band32 SEED|curve256b25 SEED...|curve256b15 SEED...|curve256band32 SEED...|curve256band32low SEED...|curve256band32mid SEED...|ctx1024band64 SEED|ctx1024band64more SEED|select CONTEXT SELECTOR[:TAU] NAME...|ranked CONTEXT NAME...|h2or32|headroom" >&2; exit 2 ;;
+esac

@@ -1,0 +1,87 @@
+"""``kvgate``: the one command line of the package.
+
+    kvgate train --config cpt_recipe [--trainer.max_steps 20 ...]   # = python train.py ...
+    kvgate infer --model smollm2-135m --policy snapkv --budget 0.5 --prompt "Hello"
+    kvgate eval mc --model smollm2-135m --tasks rte,copa --budgets 0.5 --out out/x
+    kvgate export runs/cpt_demo/checkpoints/last.ckpt out/gated
+    kvgate prepare smollm2-135m        # one-time conversion of an embedded GGUF model
+    kvgate data                        # build the CPT corpus once and print its mix
+
+``kvgate COMMAND --help`` shows a command's options. A mistake the user can fix (a bad name,
+value, file, model or setting: any ``kvgate.errors.KVGateError``) prints ``error: <first
+line>`` on stderr and exits 2; ``--debug`` shows its traceback instead.
+
+Python: ``import kvgate`` (``kvgate.load_base``, ``kvgate.Engine``, ``kvgate.get_policy``, ...).
+"""
+
+# Each command lives in one module here (train, infer, export, tools for prepare and data,
+# evaluate, which mounts the flags of kvgate.eval.flags so that `python -m kvgate.eval` shares
+# them without importing this top layer); heavy imports wait until a command runs, so --help
+# is quick.
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable, Sequence
+
+from kvgate.errors import KVGateError
+
+EXIT_USAGE = 2
+
+__all__ = ["EXIT_USAGE", "build_parser", "first_line", "main", "run_cli"]
+
+
+def first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+def run_cli(run: Callable[[argparse.Namespace], int], args: argparse.Namespace) -> int:
+    """``run(args)``; a ``KVGateError`` becomes ``error: <first line>`` on stderr and exit 2
+    (``args.debug`` re-raises it with its traceback)."""
+    try:
+        return run(args)
+    except KVGateError as exc:
+        if getattr(args, "debug", False):
+            raise
+        print(f"error: {first_line(exc)}", file=sys.stderr)
+        return EXIT_USAGE
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from kvgate.cli import evaluate, export, infer, tools
+
+    p = argparse.ArgumentParser(prog="kvgate", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--version", action="version", version=f"kvgate {_version()}")
+    sub = p.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    # train's options are Lightning's (parsed by LightningCLI): listed here, run by main()
+    sub.add_parser("train", add_help=False, help="train Attention-Gates and/or LoRA "
+                   "(LightningCLI: kvgate train --config NAME [--key value ...])")
+    infer.add_parser(sub)
+    evaluate.add_parser(sub)
+    export.add_parser(sub)
+    tools.add_prepare_parser(sub)
+    tools.add_data_parser(sub)
+    return p
+
+
+def _version() -> str:
+    from kvgate import __version__
+
+    return __version__
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "train":  # every option after it belongs to LightningCLI
+        from kvgate.cli.train import main as train_main
+
+        return train_main(argv[1:], prog="kvgate train")
+    args = build_parser().parse_args(argv)
+    return run_cli(args.run, args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

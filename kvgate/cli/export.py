@@ -1,0 +1,47 @@
+"""``kvgate export CKPT OUT [--merge] [--overwrite]``: a trained run to the gated-checkpoint format.
+
+CKPT is a Lightning checkpoint written by ``kvgate train`` (gates + LoRA + optimiser state, no
+base weights), or a DeepSpeed checkpoint folder (consolidated first; needs deepspeed); the
+base is loaded again from the id recorded in it. OUT receives the folder described in
+``kvgate.checkpoint``. ``--merge`` folds LoRA into the base weights and stores the merged base
+in OUT/merged (large: a full copy of the model).
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Sequence
+
+from kvgate.cli import run_cli
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("ckpt", help="Lightning checkpoint (.ckpt) written by kvgate train")
+    p.add_argument("out", help="output folder of the gated checkpoint")
+    p.add_argument("--merge", action="store_true", help="merge LoRA into the base weights")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing OUT")
+    p.add_argument("--debug", action="store_true", help="show tracebacks")
+
+
+def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    p = sub.add_parser("export", help="export a training checkpoint as a gated checkpoint",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(p)
+    p.set_defaults(run=run)
+    return p
+
+
+def run(args: argparse.Namespace) -> int:
+    from kvgate.training.export import export_checkpoint
+
+    out = export_checkpoint(args.ckpt, args.out, merge=args.merge, overwrite=args.overwrite)
+    print(f"exported {args.ckpt} -> {out}")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None, prog: str = "kvgate export") -> int:
+    """``kvgate export ...`` on its own (for scripts and tests)."""
+    p = argparse.ArgumentParser(prog=prog, description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(p)
+    return run_cli(run, p.parse_args(None if argv is None else list(argv)))

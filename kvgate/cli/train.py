@@ -1,0 +1,299 @@
+"""``kvgate train`` (and ``python train.py``): train Attention-Gates (and/or LoRA) with
+Lightning's CLI.
+
+    kvgate train --config configs/cpt_demo.yaml
+    kvgate train --config cpt_demo --trainer.max_steps 20 --model.gate.beta 0.3
+    kvgate train --config cpt_demo --ckpt_path last      # resume a killed run
+    kvgate train --config cpt_demo --print_config        # the full resolved config
+    kvgate train --config cpt_demo --seed_everything 1 --run_dir runs/cpt_demo_seed1
+
+``--run_dir DIR`` moves every output of a run under DIR (root, logger, checkpoints, export),
+so a variant that differs in one value needs no config file of its own. It is applied after
+parsing: ``--print_config`` shows the folders before it.
+
+``--config NAME`` also finds ``configs/NAME.yaml`` (of the repository, else of the working
+folder). Every key is typed: a missing or malformed config file, an unknown key or a bad value
+stops the run before any model is loaded with one line ``error: ...`` naming the file or key,
+exit 2 (no usage dump; ``--help`` has it). So does a run that would train no step
+(``max_steps``, ``max_epochs`` or ``limit_train_batches`` 0: its export would be the untrained
+gates). A ``KVGateError`` prints its first line and exits 2 (``--debug``: its traceback).
+
+The run folder (``--run_dir``, else ``trainer.default_root_dir``) is locked for the run
+(``RUN_DIR/.kvgate-run.lock``, ``kvgate.training.runlock``): a second run into it is refused;
+a lock left by a killed run is taken over with a warning line.
+
+``--ckpt_path last`` resumes from the newest valid checkpoint in the run's checkpoint folder
+(highest global step recorded inside, then newest file; ``last.ckpt`` need not exist, as after
+a kill between a step checkpoint and ``last.ckpt``) and says which; with no checkpoint yet it
+starts from step 0 and says so (so a restart script can always pass it); when every checkpoint
+there is damaged it refuses. Any resume checkpoint is checked against its sha256 sidecar and
+read before the trainer creates a folder (``kvgate.training.integrity``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib.util
+import shutil
+import sys
+import warnings
+from pathlib import Path
+
+import yaml
+from lightning.fabric.utilities.exceptions import MisconfigurationException
+from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
+
+from kvgate.cli import first_line
+from kvgate.errors import KVGateError
+from kvgate.training import KVGateDataModule, KVGateModule, TrainingConfigError
+from kvgate.training.errors import launch_rank
+from kvgate.training.integrity import resume_path
+from kvgate.training.runlock import RunLock
+from kvgate.training.strategies import CPUDeepSpeedStrategy
+
+# importing the strategies module registers "deepspeed_cpu" with Lightning
+__all__ = ["CPUDeepSpeedStrategy", "KVGateCLI", "KVGateDataModule", "KVGateModule", "main",
+           "resolve_config_args"]
+
+# the repository's configs/ (an editable install), then the working folder's
+CONFIG_DIRS = (Path(__file__).resolve().parents[2] / "configs", Path("configs"))
+
+
+def resolve_config_args(argv: list[str]) -> list[str]:
+    """Rewrite ``--config NAME`` to ``configs/NAME.yaml`` when NAME is not an existing file."""
+    out = list(argv)
+    for i, arg in enumerate(out):
+        if arg in ("--config", "-c") and i + 1 < len(out):
+            out[i + 1] = _config_path(out[i + 1])
+        elif arg.startswith("--config="):
+            out[i] = "--config=" + _config_path(arg.split("=", 1)[1])
+    return out
+
+
+def _config_path(name: str) -> str:
+    if Path(name).is_file():
+        return name
+    for folder in CONFIG_DIRS:
+        for candidate in (folder / name, folder / f"{name}.yaml"):
+            if candidate.is_file():
+                return str(candidate)
+    return name  # check_config_files reports the missing file
+
+
+class ConfigFileError(KVGateError, ValueError):
+    """A ``--config`` file is missing, a folder, unreadable or not YAML; or the parser refused
+    a key or value (its message made one line)."""
+
+
+def check_config_files(argv: list[str]) -> None:
+    """Each ``--config`` value (after ``resolve_config_args``) must be a readable YAML file, or
+    an inline YAML mapping (jsonargparse takes those too)."""
+    for i, arg in enumerate(argv):
+        if arg in ("--config", "-c") and i + 1 < len(argv):
+            _check_config_file(argv[i + 1])
+        elif arg.startswith("--config="):
+            _check_config_file(arg.split("=", 1)[1])
+
+
+def _check_config_file(value: str) -> None:
+    path = Path(value)
+    if path.is_dir():
+        raise ConfigFileError(f"--config {value}: is a folder, not a config file")
+    if not path.is_file():
+        try:
+            inline = yaml.safe_load(value)
+        except yaml.YAMLError:
+            inline = None
+        if isinstance(inline, dict):
+            return
+        raise ConfigFileError(f"--config {value}: no such file (nor {value}.yaml in "
+                              f"{' or '.join(str(d) for d in CONFIG_DIRS)})")
+    try:
+        yaml.safe_load(path.read_text(encoding="utf-8"))
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
+        problem = getattr(err, "problem", None) or first_line(err)
+        raise ConfigFileError(f"--config {value}: not valid YAML ({where}{problem})") from None
+    except (OSError, UnicodeDecodeError) as err:
+        raise ConfigFileError(f"--config {value}: unreadable ({err})") from None
+
+
+# lines of jsonargparse's messages that say how it searched, not what is wrong
+_PARSER_NOISE = ("Does not validate against any of the", "Subtypes:", "Errors:",
+                 "Given value type:", "Given value:", "Expected a <class 'NoneType'>")
+
+
+def parser_error_line(message: str) -> str:
+    """jsonargparse's (often multi-line) error as one line that keeps the key and the cause."""
+    lines = [line.strip() for line in message.strip().splitlines() if line.strip()]
+    if not lines:
+        return "the command line or a config file could not be parsed"
+    details: list[str] = []
+    for line in lines[1:]:
+        line = line.removeprefix("- ").strip()
+        if not line.startswith(_PARSER_NOISE) and line not in details:
+            details.append(line)
+    text = " ".join([lines[0], *details])
+    return text if len(text) <= 400 else text[:397] + "..."
+
+
+class KVGateCLI(LightningCLI):
+    def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
+        parser.add_argument("--ckpt_path", type=str | None, default=None,
+                            help="resume from this Lightning checkpoint ('last' = the newest "
+                                 "valid checkpoint of the run)")
+        parser.add_argument("--run_dir", type=str | None, default=None,
+                            help="every output of the run under this folder: default_root_dir, "
+                                 "the logger's save_dir, DIR/checkpoints, DIR/gated")
+
+    def before_instantiate_classes(self) -> None:
+        check_strategy(self.config.get("trainer", {}).get("strategy"))
+        check_steps(self.config.get("trainer", {}))
+        if self.config.get("run_dir"):
+            move_outputs(self.config.trainer, self.config.run_dir)
+
+
+# where each output-writing class keeps its folder, and the folder it gets under --run_dir
+_OUTPUT_DIRS = {
+    "ModelCheckpoint": ("dirpath", "checkpoints"),
+    "OnExceptionCheckpoint": ("dirpath", "checkpoints"),
+    "ExportGated": ("dirpath", "gated"),
+}
+
+
+def move_outputs(trainer, run_dir: str) -> None:
+    """Point every folder a run writes to under ``run_dir`` (in the parsed config, before
+    anything is built). Loggers keep their ``name``/``version`` below it; a callback that
+    writes elsewhere and is not known here is refused rather than left in the old folder."""
+    root = Path(run_dir)
+    trainer.default_root_dir = str(root)
+    loggers = trainer.get("logger")
+    for logger in loggers if isinstance(loggers, list) else [loggers]:
+        if getattr(logger, "init_args", None) is not None and "save_dir" in logger.init_args:
+            logger.init_args.save_dir = str(root)
+    for callback in trainer.get("callbacks") or []:
+        init = getattr(callback, "init_args", None)
+        short = str(getattr(callback, "class_path", "")).rsplit(".", 1)[-1]
+        if short in _OUTPUT_DIRS and init is not None:
+            key, sub = _OUTPUT_DIRS[short]
+            setattr(init, key, str(root / sub))
+        elif init is not None and any(k in init for k in ("dirpath", "save_dir", "log_dir")):
+            raise RunDirError(f"--run_dir: trainer.callbacks has {short}, which writes to a "
+                              "folder --run_dir does not know how to move; set its folder "
+                              "in the config instead")
+
+
+class RunDirError(KVGateError, ValueError):
+    """--run_dir cannot place an output of the configured run."""
+
+
+class StrategyUnavailable(KVGateError, RuntimeError):
+    """The configured distributed strategy needs a package that is not installed."""
+
+
+def _strategy_name(strategy) -> str:
+    if isinstance(strategy, str):
+        return strategy
+    class_path = getattr(strategy, "class_path", None)
+    if class_path is None and isinstance(strategy, dict):
+        class_path = strategy.get("class_path")
+    return str(class_path or "")
+
+
+def check_strategy(strategy) -> None:
+    """DeepSpeed is an optional extra: name the fix instead of failing inside Lightning."""
+    name = _strategy_name(strategy)
+    if "deepspeed" in name.lower() and importlib.util.find_spec("deepspeed") is None:
+        raise StrategyUnavailable(
+            f"trainer.strategy={name!r} needs DeepSpeed: pip install 'kvgate[deepspeed]' "
+            "(Lightning runs DeepSpeed on CUDA GPUs only)")
+
+
+def check_steps(trainer) -> None:
+    """A run of no optimiser step would only export the initial gates as if trained."""
+    for key in ("max_steps", "max_epochs", "limit_train_batches"):
+        value = trainer.get(key)
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and value == 0:
+            raise TrainingConfigError(
+                f"trainer.{key}: 0 trains no step, and the run would export the untrained "
+                "gates; give a positive value (max_steps: -1 means no step limit)")
+
+
+def _build_cli(argv: list[str], prog: str) -> KVGateCLI:
+    """Parse and instantiate (no model is loaded yet); a parser error becomes one line."""
+    try:
+        return KVGateCLI(KVGateModule, KVGateDataModule, subclass_mode_data=True, run=False,
+                         args=argv, save_config_kwargs={"overwrite": True},
+                         parser_kwargs={"prog": prog, "exit_on_error": False})
+    except argparse.ArgumentError as err:
+        cause = _find_cause(err.__cause__ or err.__context__, (KVGateError,))
+        if cause is not None:
+            raise cause from err
+        raise ConfigFileError(parser_error_line(str(err))) from err
+    except MisconfigurationException as err:
+        # the Trainer refusing its settings on this machine (an accelerator or strategy it
+        # cannot use, e.g. --trainer.accelerator gpu on a CPU-only torch): the user's to fix
+        raise TrainingConfigError(f"trainer: {str(err).strip().splitlines()[0]} "
+                                  "(check --trainer.accelerator / --trainer.devices / "
+                                  "--trainer.strategy on this machine)") from err
+
+
+def _run_lock(cli: KVGateCLI):
+    """The lock of the run folder (the trainer's configured default_root_dir, which --run_dir
+    sets); none for rank > 0 of a launched job, whose rank 0 holds it, or without a folder."""
+    root = cli.config.get("trainer", {}).get("default_root_dir")
+    if root is None or launch_rank() != 0:
+        return contextlib.nullcontext()
+    return RunLock(root)
+
+
+def main(argv: list[str] | None = None, prog: str = "train.py") -> int:
+    """``kvgate train ...`` / ``python train.py ...``: 0 after training, 2 on a user error."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    debug = "--debug" in argv  # ours, not a config key: taken out before LightningCLI parses
+    argv = resolve_config_args([a for a in argv if a != "--debug"])
+    warnings.filterwarnings("ignore", message="LightningCLI's args parameter")
+    cli = None
+    created = None
+    try:
+        check_config_files(argv)
+        cli = _build_cli(argv, prog)
+        created = _created_root(Path(cli.trainer.log_dir))
+        with _run_lock(cli):
+            # checked (and "last" resolved) before fit creates the logger's folders
+            ckpt_path = resume_path(cli.trainer, cli.config.get("ckpt_path"))
+            cli.trainer.fit(cli.model, datamodule=cli.datamodule, ckpt_path=ckpt_path)
+    except Exception as err:  # only our own errors are shortened; others re-raise
+        cause = _find_cause(err, (KVGateError,))
+        if cause is None or debug:
+            raise
+        # a run refused before its first step leaves no log folder of its own behind
+        if created is not None and cli is not None and cli.trainer.global_step == 0:
+            shutil.rmtree(created, ignore_errors=True)
+        print(f"error: {first_line(cause)}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def _created_root(log_dir: Path) -> Path | None:
+    """The outermost folder on the way to ``log_dir`` that does not exist yet (everything in
+    it will be this run's), or None when ``log_dir`` exists already."""
+    path = log_dir.resolve()
+    if path.exists():
+        return None
+    while not path.parent.exists():
+        path = path.parent
+    return path
+
+
+def _find_cause(err: BaseException, types: tuple[type, ...]) -> BaseException | None:
+    """Our own error in ``err``'s chain (jsonargparse wraps a constructor's error)."""
+    seen = set()
+    while err is not None and id(err) not in seen:
+        if isinstance(err, types):
+            return err
+        seen.add(id(err))
+        err = err.__cause__ or err.__context__
+    return None

@@ -1,0 +1,279 @@
+"""Compress once, ask many: a context is compressed without its question, then each question
+is answered over its own fork of the compressed cache.
+
+This is the setting the field compares eviction methods in (kvpress, RULER): the policy sees
+the context's prefill only, never a question, and one compressed context serves any number of
+questions. ``Engine.compress`` / ``Engine.answer`` are the entry points; the work is here.
+
+Chat template: when the tokenizer has one (and ``chat`` is on), context and question form one
+user turn as the template writes it. The template is rendered once around a marker; what
+precedes the marker plus the context plus ``SEPARATOR`` is compressed, and the question, the
+turn's closing tokens, the generation prompt and the answer prefix come after. Without a
+template the context is compressed as is and ``SEPARATOR + question`` (+ a new line and the
+answer prefix) follows.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from kvgate.attention.masks import left_pad
+from kvgate.cache import CompressedCache
+from kvgate.cache.fork import fork_cache, grow_capacity
+from kvgate.models.limits import InputTooLongError, context_limit, fit_to_context
+from kvgate.policies.base import PolicyError
+
+SEPARATOR = "\n\n"  # between the context and the question, in both forms
+_MARK = "\u2063KVGATE-QUESTION-SPLIT\u2063"
+
+
+@dataclass
+class CompressedContext:
+    """One or more contexts, prefilled and compressed under the engine's policy.
+
+    ``cache`` is never modified by ``answer``: every question runs on a fork of it.
+    """
+
+    cache: CompressedCache
+    input_ids: Tensor  # [B, n] left padded context tokens
+    attention_mask: Tensor  # [B, n]
+    chat: bool  # the question goes inside the chat template's user turn
+    suffix: str  # template text after the question (turn end + generation prompt); "" if plain
+    contexts: list[str] = field(default_factory=list)
+    kept_fraction: float = 1.0
+    kept_fraction_per_layer: list[float] = field(default_factory=list)
+    bytes_held: int = 0
+    bytes_full: int = 0
+    compress_ms: float = 0.0
+
+    @property
+    def batch(self) -> int:
+        return self.input_ids.shape[0]
+
+    @property
+    def lengths(self) -> list[int]:
+        """Real tokens per context."""
+        return self.attention_mask.sum(-1).tolist()
+
+
+def has_chat_template(tokenizer: Any) -> bool:
+    return bool(getattr(tokenizer, "chat_template", None))
+
+
+def chat_parts(tokenizer: Any) -> tuple[str, str]:
+    """``(head, tail)``: the template's text of one user turn before and after its content
+    (the tail includes the generation prompt)."""
+    text = tokenizer.apply_chat_template([{"role": "user", "content": _MARK}],
+                                         add_generation_prompt=True, tokenize=False)
+    if text.count(_MARK) != 1:
+        raise PolicyError("the chat template does not write the user's message verbatim; "
+                          "use chat=False (--no-chat)")
+    head, _, tail = text.partition(_MARK)
+    return head, tail
+
+
+def split_prompt(tokenizer: Any, context: str, question: str, answer_prefix: str | None = None,
+                 chat: bool = True) -> tuple[str, str]:
+    """``(context part, question part)`` of one prompt: the first is compressed, the second
+    follows. With a template, their concatenation is exactly the template's text of the user
+    turn ``context + SEPARATOR + question`` (generation prompt included) + ``answer_prefix``."""
+    if chat and has_chat_template(tokenizer):
+        head, tail = chat_parts(tokenizer)
+        return head + context + SEPARATOR, question + tail + (answer_prefix or "")
+    prefix = f"\n{answer_prefix}" if answer_prefix else ""
+    return context, SEPARATOR + question + prefix
+
+
+def _tokenizer_ready(tokenizer: Any) -> None:
+    if getattr(tokenizer, "pad_token", None) is None:
+        tokenizer.pad_token = tokenizer.eos_token
+
+
+@torch.no_grad()
+def compress(engine: Any, contexts: str | list[str], chat: bool = True) -> CompressedContext:
+    """Prefill ``contexts`` (left padded) under the engine's policy; no question is involved."""
+    contexts = [contexts] if isinstance(contexts, str) else list(contexts)
+    if not contexts or any(not isinstance(c, str) or not c.strip() for c in contexts):
+        raise PolicyError("contexts must be a non-empty list of non-empty strings")
+    tok = engine.tokenizer
+    _tokenizer_ready(tok)
+    chat = bool(chat) and has_chat_template(tok)
+    head, tail = chat_parts(tok) if chat else ("", "")
+    if chat:  # the template already writes any special tokens
+        rows = [tok(head + c + SEPARATOR, add_special_tokens=False)["input_ids"] for c in contexts]
+    else:
+        rows = [tok(c)["input_ids"] for c in contexts]
+    rows = fit_to_context(rows, context_limit(engine.model.config), 1, getattr(engine, "truncate", False),
+                          what="context")
+    ids, mask = left_pad(rows, tok.pad_token_id)
+    device = engine.device
+    ids, mask = ids.to(device), mask.to(device)
+    cache = engine.new_cache()
+    _sync(device)
+    t0 = time.perf_counter()
+    engine.model(input_ids=ids, attention_mask=mask, position_ids=_positions(mask),
+                 past_key_values=cache, use_cache=True, logits_to_keep=1)
+    _sync(device)
+    ms = 1000.0 * (time.perf_counter() - t0)
+    return CompressedContext(cache, ids, mask, chat, tail, contexts, cache.kept_fraction(),
+                             cache.kept_fractions(), cache.bytes_held(), cache.full_bytes(), ms)
+
+
+def answer(engine: Any, compressed: CompressedContext, questions: list[str],
+           max_new_tokens: int = 32, answer_prefix: str | None = None) -> list[str]:
+    """One context: an answer per question. Several contexts: ``questions[i]`` is asked of
+    context ``i`` (one question each). Greedy; each question runs on its own fork."""
+    questions = [questions] if isinstance(questions, str) else list(questions)
+    if compressed.batch == 1:
+        per_context = [questions]
+    elif len(questions) == compressed.batch:
+        per_context = [[q] for q in questions]
+    else:
+        raise PolicyError(f"{compressed.batch} contexts need one question each, got "
+                          f"{len(questions)} (or compress the contexts one at a time)")
+    texts, _ = answer_all(engine, compressed, per_context, max_new_tokens, answer_prefix)
+    return [t for row in texts for t in row]
+
+
+@torch.no_grad()
+def answer_all(engine: Any, compressed: CompressedContext, questions: list[list[str]],
+               max_new_tokens: int = 32, answer_prefix: str | None = None,
+               ) -> tuple[list[list[str]], list[list[list[int]]]]:
+    """``questions[b]``: the questions for context ``b``. Round ``k`` forks the cache once and
+    asks every context its ``k``-th question (a context with fewer questions repeats its last
+    one, and that answer is dropped). Returns ``(texts, token_ids)`` shaped like ``questions``.
+    """
+    if len(questions) != compressed.batch:
+        raise PolicyError(f"questions for {len(questions)} contexts, but {compressed.batch} "
+                          "were compressed")
+    if any(not row or any(not isinstance(q, str) or not q.strip() for q in row)
+           for row in questions):
+        raise PolicyError("every context needs at least one non-empty question")
+    if max_new_tokens < 1:
+        raise PolicyError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    texts: list[list[str]] = [[] for _ in questions]
+    ids: list[list[list[int]]] = [[] for _ in questions]
+    for k in range(max(len(row) for row in questions)):  # a loop over questions
+        batch = [row[min(k, len(row) - 1)] for row in questions]
+        rows = _answer_round(engine, compressed, batch, max_new_tokens, answer_prefix)
+        for b, row in enumerate(rows):
+            if k < len(questions[b]):
+                ids[b].append(row)
+                texts[b].append(engine.tokenizer.decode(row, skip_special_tokens=True))
+    return texts, ids
+
+
+def _answer_round(engine: Any, compressed: CompressedContext, questions: list[str],
+                  max_new_tokens: int, answer_prefix: str | None) -> list[list[int]]:
+    """Each context's question, then greedy decoding, on one fork: token ids per context."""
+    tok = engine.tokenizer
+    _tokenizer_ready(tok)
+    device = engine.device
+    parts = [_question_text(compressed, q, answer_prefix) for q in questions]
+    rows = [tok(p, add_special_tokens=False)["input_ids"] for p in parts]
+    _check_fits(engine, compressed, rows, max_new_tokens)
+    q_ids, q_mask = left_pad(rows, tok.pad_token_id)
+    q_ids, q_mask = q_ids.to(device), q_mask.to(device)
+    start = compressed.attention_mask.sum(-1)  # [B] real context tokens: the next position
+    positions = (start[:, None] + q_mask.cumsum(-1) - 1).clamp(min=0)
+    mask = torch.cat([compressed.attention_mask, q_mask], dim=1)
+    cache = fork_cache(compressed.cache)
+    grow_capacity(cache, q_mask.sum(-1))  # the question adds to the context; evicts nothing
+    out = engine.model(input_ids=q_ids, attention_mask=mask, position_ids=positions,
+                       past_key_values=cache, use_cache=True, logits_to_keep=1)
+    eos = getattr(tok, "eos_token_id", None)
+    pad = tok.pad_token_id if tok.pad_token_id is not None else eos
+    batch = q_ids.shape[0]
+    done = torch.zeros(batch, dtype=torch.bool, device=device)
+    next_pos = positions[:, -1:] + 1
+    tokens: list[Tensor] = []
+    while True:  # a loop over decode steps
+        nxt = out.logits[:, -1].float().argmax(-1)
+        if pad is not None:
+            nxt = torch.where(done, torch.full_like(nxt, pad), nxt)
+        tokens.append(nxt)
+        if eos is not None:
+            done = done | (nxt == eos)
+        if len(tokens) == max_new_tokens or bool(done.all()):
+            break
+        mask = torch.cat([mask, mask.new_ones(batch, 1)], dim=1)
+        out = engine.model(input_ids=nxt[:, None], attention_mask=mask, position_ids=next_pos,
+                           past_key_values=cache, use_cache=True)
+        next_pos = next_pos + 1
+    generated = torch.stack(tokens, dim=1).tolist()
+    return [_until_eos(row, eos) for row in generated]
+
+
+def _question_text(compressed: CompressedContext, question: str, answer_prefix: str | None) -> str:
+    if compressed.chat:
+        return question + compressed.suffix + (answer_prefix or "")
+    prefix = f"\n{answer_prefix}" if answer_prefix else ""
+    return SEPARATOR + question + prefix
+
+
+def _check_fits(engine: Any, compressed: CompressedContext, rows: list[list[int]],
+                max_new_tokens: int) -> None:
+    limit = context_limit(engine.model.config)
+    if limit is None:
+        return
+    for i, (n_ctx, row) in enumerate(zip(compressed.lengths, rows)):
+        total = n_ctx + len(row) + max_new_tokens
+        if total > limit:
+            raise InputTooLongError(
+                f"context {i} ({n_ctx:,} tokens) + question ({len(row):,}) + {max_new_tokens} "
+                f"new tokens = {total:,}; the model takes at most {limit:,}")
+
+
+def _positions(mask: Tensor) -> Tensor:
+    return (mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
+def _until_eos(row: list[int], eos: int | None) -> list[int]:
+    if eos is not None and eos in row:
+        return row[:row.index(eos) + 1]
+    return row
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def run_cli(engine: Any, args: Any) -> int:
+    """Compress the context file once, answer every ``--question``, print answers and stats."""
+    context = Path(args.context_file).read_text(encoding="utf-8")
+    compressed = compress(engine, context, chat=args.chat)
+    t0 = time.perf_counter()
+    answers = answer(engine, compressed, args.question, args.max_new_tokens, args.answer_prefix)
+    answer_ms = 1000.0 * (time.perf_counter() - t0)
+    stats = {"policy": engine.policy.name, "budget": engine.budget.describe(),
+             "chat": compressed.chat, "context_tokens": compressed.lengths[0],
+             "kept_fraction": compressed.kept_fraction,
+             "kept_fraction_per_layer": compressed.kept_fraction_per_layer,
+             "bytes_held": compressed.bytes_held, "bytes_full": compressed.bytes_full,
+             "compress_ms": compressed.compress_ms, "answer_ms": answer_ms}
+    if args.json:
+        print(json.dumps({"questions": args.question, "answers": answers, "stats": stats},
+                         indent=2))
+        return 0
+    for question, text in zip(args.question, answers):
+        print(f"Q: {question}\nA: {text}\n")
+    ratio = stats["bytes_held"] / stats["bytes_full"] if stats["bytes_full"] else float("nan")
+    rows = [("policy", f"{stats['policy']} ({stats['budget']})"),
+            ("context tokens", (f"{stats['context_tokens']:,} (chat template: "
+                               f"{'yes' if compressed.chat else 'no'})")),
+            ("kept (context)", f"{100 * stats['kept_fraction']:.1f}%"),
+            ("KV bytes held", (f"{stats['bytes_held']:,} of {stats['bytes_full']:,} full "
+                              f"({ratio:.3f}x)")),
+            ("compress", f"{stats['compress_ms']:.1f} ms"),
+            ("answers", f"{answer_ms:.1f} ms for {len(answers)}")]
+    width = max(len(k) for k, _ in rows)
+    print("\n".join(f"{k:<{width}}  {v}" for k, v in rows))
+    return 0

@@ -1,0 +1,209 @@
+"""What a policy is: the inputs it sees, the budget it is given and the contracts it declares.
+
+Every policy answers one question at the prefill (``Policy.keep``): given one layer's prompt
+(``LayerPrompt``) and a ``Budget``, which (token, KV head) entries stay? It returns a boolean
+keep mask ``[B, H_kv, n]``. A policy that does more says so by subclassing, and the cache
+checks the class (``isinstance``), never the presence of a method:
+
+- ``DecodeEvicting``: also holds each KV head at a capacity while decoding, through
+  ``decode_init`` (per-entry statistics from the prompt) and ``decode_select`` (one eviction
+  round over the stored entries after new rows attended);
+- ``StreamingPrefill`` (a ``DecodeEvicting``): evicts *while* the prompt is encoded, in blocks
+  of ``block`` rows, each block one ``decode_select(..., prefill=True)`` round (RoCo);
+- ``EncodeMasking``: its keep decision is applied *inside* the prefill (Attention-Gate eq. 5),
+  so later prompt rows attend only to kept entries (plus an ``encode_recent`` band).
+
+Budget meaning, written down once: a budget is the number of prompt entries each KV head
+keeps, given either as a ratio of the *real* (non-padding) prompt length or as an absolute
+token count. Sinks, recent windows and observation windows are *inside* the budget.
+A budget at or above the prompt length keeps everything (no-op).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from kvgate.errors import KVGateError
+
+ROUNDINGS = ("up", "nearest")  # how a ratio budget becomes a whole number of entries
+
+
+class PolicyError(KVGateError, ValueError):
+    """Bad policy name, option or budget; the message says which."""
+
+
+@dataclass(frozen=True)
+class Budget:
+    """How many prompt entries each KV head keeps: ``ratio`` of the real length or ``tokens``.
+
+    A ratio's count is rounded ``up`` (default: never below the ratio) or to the ``nearest``
+    whole token, which keeps a ratio taken from another policy's eviction unbiased on average
+    (matched budgets: on an 8-token prompt rounding up turns 22% eviction into 12.5%)."""
+
+    ratio: float | None = None
+    tokens: int | None = None
+    rounding: str = "up"
+
+    def __post_init__(self) -> None:
+        if (self.ratio is None) == (self.tokens is None):
+            raise PolicyError("budget: give exactly one of ratio (0, 1] or tokens (>= 1)")
+        if self.rounding not in ROUNDINGS:
+            raise PolicyError(f"budget rounding must be one of {', '.join(ROUNDINGS)}, "
+                              f"got {self.rounding!r}")
+        if self.ratio is not None and not (0.0 < float(self.ratio) <= 1.0):
+            raise PolicyError(f"budget ratio must lie in (0, 1], got {self.ratio}")
+        if self.tokens is not None and (int(self.tokens) != self.tokens or self.tokens < 1):
+            raise PolicyError(f"budget tokens must be an integer >= 1, got {self.tokens}")
+
+    @classmethod
+    def parse(cls, value: float | str | Budget) -> Budget:
+        """``0.5`` -> keep half; ``128`` (an integer > 1) -> keep 128 tokens per head."""
+        if isinstance(value, Budget):
+            return value
+        if isinstance(value, str):
+            try:
+                value = float(value) if any(c in value for c in ".eE") else int(value)
+            except ValueError as exc:
+                raise PolicyError(f"budget {value!r} is neither a ratio nor a token count") from exc
+        if isinstance(value, bool):
+            raise PolicyError(f"budget must be a number, got {value!r}")
+        if isinstance(value, int) and value > 1:
+            return cls(tokens=value)
+        if isinstance(value, int) and value == 1:
+            return cls(ratio=1.0)
+        return cls(ratio=float(value))
+
+    def per_sample(self, n_real: Tensor) -> Tensor:
+        """Kept entries per KV head for each sample: ``[B]`` long, clamped to ``[1, n_real]``."""
+        if self.ratio is not None:
+            exact = n_real.to(torch.float64) * self.ratio
+            kept = (torch.floor(exact + 0.5) if self.rounding == "nearest"
+                    else torch.ceil(exact - 1e-9)).long()
+        else:
+            kept = torch.full_like(n_real, int(self.tokens))
+        return torch.minimum(kept.clamp(min=1), n_real)
+
+    def describe(self) -> str:
+        return f"{self.ratio:g} of the prompt" if self.ratio is not None else f"{self.tokens} tokens"
+
+
+@dataclass
+class LayerPrompt:
+    """What a policy sees of one layer at prefill. Shapes: B batch, H query heads, H_kv KV
+    heads, n prompt length (left padded), d head dim, D hidden size. q/k are post-RoPE."""
+
+    layer_idx: int
+    num_layers: int
+    query: Tensor  # [B, H, n, d]
+    key: Tensor  # [B, H_kv, n, d]
+    value: Tensor  # [B, H_kv, n, d]
+    valid: Tensor  # [B, n] bool; False at left padding
+    scaling: float  # softmax scale (usually 1/sqrt(d))
+    hidden: Tensor | None = None  # [B, n, D] the normalised layer input (learned gate)
+    module: Any = None  # the attention module (gives the learned gate access to kv_gate)
+    # the rotary (cos, sin) of this forward, each [B, n, d_rot] (the learned gate rotates its
+    # own q/k with them)
+    position_embeddings: Any = None
+    # [B, n', D] n' >= n: the previous decoder layer's normalised input in this forward (a
+    # previous_layer gate reads its first n positions)
+    previous_hidden: Tensor | None = None
+
+    @property
+    def n_real(self) -> Tensor:
+        return self.valid.sum(-1)
+
+    @property
+    def group(self) -> int:
+        return self.query.shape[1] // self.key.shape[1]
+
+    def head(self, rows: int) -> LayerPrompt:
+        """The prompt's first ``rows`` positions (what a streamed prefill has encoded so far)."""
+        pe = self.position_embeddings
+        return replace(self, query=self.query[:, :, :rows], key=self.key[:, :, :rows],
+                       value=self.value[:, :, :rows], valid=self.valid[:, :rows],
+                       hidden=None if self.hidden is None else self.hidden[:, :rows],
+                       position_embeddings=None if pe is None else tuple(x[:, :rows] for x in pe))
+
+
+class Policy(ABC):
+    """The one-shot contract. Subclasses are dataclasses with validated options and implement
+    ``keep``; the cache stores what it returns and attends over it.
+
+    ``needs_attention``: ``keep`` needs attention probabilities (so the attention backend must
+    be able to produce them). ``budget_free``: ``keep`` ignores the budget (the full cache, the
+    thresholded gate); an evaluation then runs it once, not once per budget.
+    ``encode_mask``: whether the prompt is encoded under the keep mask (see ``EncodeMasking``);
+    False for every policy that does not subclass it.
+    """
+
+    name: str = "base"
+    needs_attention: bool = False
+    budget_free: bool = False
+    encode_mask: bool = False
+
+    @abstractmethod
+    def keep(self, prompt: LayerPrompt, budget: Budget) -> Tensor:
+        """Return ``[B, H_kv, n]`` bool. Padding positions must be False."""
+
+
+class DecodeEvicting(Policy):
+    """A policy that also holds each KV head at a capacity while decoding.
+
+    After the prefill the cache calls ``decode_init`` once per layer; after every later
+    attention call (a decode step, or a streamed prompt block) it calls ``decode_select`` with
+    the logits of the new rows over every stored entry, in the per-head slot layout
+    ``[B, H_kv, T]`` of the cache, and keeps what it returns.
+    """
+
+    @abstractmethod
+    def decode_init(self, prompt: LayerPrompt, keep: Tensor) -> dict[str, Tensor]:
+        """Per-entry statistics of the prompt, each ``[B, H_kv, n]`` float (the cache keeps the
+        kept entries' values aligned with their slots; new slots arrive as 0). ``keep`` is
+        what ``keep`` returned; its per-head count is the budget."""
+
+    @abstractmethod
+    def decode_select(self, stats: dict[str, Tensor], logits: Tensor, valid: Tensor,
+                      positions: Tensor, capacity: Tensor, prefill: bool = False,
+                      ) -> tuple[dict[str, Tensor], Tensor]:
+        """One eviction round.
+
+        stats: each ``[B, H_kv, T]`` (or empty); logits ``[B, H, r, T]`` of the r new rows
+        (-inf where a row cannot see a slot); valid ``[B, H_kv, T]`` bool (slots in use);
+        positions ``[B, H_kv, T]`` long true token positions (-1 where invalid); capacity
+        ``[B, H_kv]`` long. ``prefill`` is True while a streamed prompt is encoded
+        (``StreamingPrefill``), False while decoding. Returns the updated stats and the keep
+        mask ``[B, H_kv, T]`` with ``min(capacity, valid count)`` True per head.
+        """
+
+
+class StreamingPrefill(DecodeEvicting):
+    """A policy that evicts while encoding: the cache feeds the prompt in blocks of ``block``
+    rows (aligned to the prompt's end), each block attends to what the earlier blocks left and
+    ends with one ``decode_select(..., prefill=True)`` round at the budget. ``keep`` is its
+    one-shot stand-in where no cache streams the prompt (masked scoring)."""
+
+    block: int = 1  # prompt rows per streamed block (>= 1)
+
+
+class EncodeMasking(Policy):
+    """A policy whose keep mask is applied inside the prefill (Attention-Gate eq. 5): prompt
+    row j sees key t only if t is kept or ``j - t < max(encode_recent, 1)``. Both attributes
+    may be set per instance by ``keep`` (the learned gate reads them from its trained
+    configuration); read them after ``keep``. With ``encode_mask`` False the prompt is encoded
+    with full attention and only the stored cache is compressed, as for one-shot policies."""
+
+    encode_mask: bool = True
+    encode_recent: int = 0  # prompt keys within this distance stay visible inside the prefill
+
+
+def prefill_band(policy: Policy) -> int | None:
+    """The recent band of the eq. 5 prefill mask when ``policy`` encodes the prompt under its
+    keep mask (read after ``keep``); None when the prefill attends fully."""
+    if isinstance(policy, EncodeMasking) and policy.encode_mask:
+        return int(policy.encode_recent)
+    return None
