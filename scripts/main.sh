@@ -5,8 +5,8 @@
 #   2. train Attention-Gates with configs/cpt_recipe.yaml (the small-compute recipe:
 #      distillation, beta schedule, protected tokens) and export the gated checkpoint
 #      (runs/cpt_recipe/gated);
-#   3. gated generation from that checkpoint with its stats table, next to SnapKV at the same
-#      kept share of the prompt.
+#   3. one document compressed once by the full cache, the learned gate and SnapKV at the
+#      gate's kept share, each answering the same question asked after compression.
 # Extra arguments go to train.py (e.g. --trainer.max_steps 20 for a quick look).
 set -euo pipefail
 # shellcheck source=scripts/setup.sh
@@ -17,26 +17,37 @@ python -m kvgate.demo
 
 python train.py --config cpt_recipe "$@"
 
-prompt="The river town grew around a stone bridge built in the twelfth century. Merchants \
-crossed it to reach the weekly market, and by 1400 the town had a guild hall, two churches \
-and a school. A great fire in 1666 destroyed most of the wooden houses near the bridge. \
-Question: What destroyed the houses near the bridge? Answer:"
+# 3. the same document compressed once by each policy, the question asked after compression
+#    (the policy never sees it), through the model's chat template
+mkdir -p runs/cpt_recipe
+doc=runs/cpt_recipe/demo_context.txt
+cat >"$doc" <<'TXT'
+The river town grew around a stone bridge built in the twelfth century. Merchants crossed it to
+reach the weekly market, and by 1400 the town had a guild hall, two churches and a school. A
+great fire in 1666 destroyed most of the wooden houses near the bridge. The town was rebuilt
+in brick, and the new houses along the river still stand today.
+TXT
+question="What destroyed the houses near the bridge?"
+
+summary() {  # one line per policy: the answer, kept share and bytes held
+python - "$1" "$2" <<'PY'
+import json, sys
+d = json.load(open(sys.argv[2]))
+s = d["stats"]
+print(f"{sys.argv[1]:<14} kept {100 * s['kept_fraction']:5.1f}% of the context KV, "
+      f"{s['bytes_held']:,} of {s['bytes_full']:,} bytes | {d['answers'][0].strip()}")
+PY
+}
 
 echo
-echo "== learned gate (attention_gate) from runs/cpt_recipe/gated"
-python infer.py --checkpoint runs/cpt_recipe/gated --prompt "$prompt" --max-new-tokens 24 \
-    --json >runs/cpt_recipe/infer_gate.json
-python - <<'PY'
-import json
-d = json.load(open("runs/cpt_recipe/infer_gate.json"))
-print(d["texts"][0].strip())
-s = d["stats"]
-print(f"kept {100 * s['kept_fraction']:.1f}% of the prompt KV, {s['bytes_held']:,} of "
-      f"{s['bytes_full']:,} bytes, prefill {s['prefill_ms']:.0f} ms, "
-      f"decode {s['decode_tokens_per_s']:.1f} tokens/s")
-PY
+echo "== Q: $question (asked after compression)"
+python infer.py --checkpoint runs/cpt_recipe/gated --context-file "$doc" --question "$question" \
+    --max-new-tokens 24 --json >runs/cpt_recipe/infer_gate.json
 budget=$(python -c "import json; print(round(json.load(open('runs/cpt_recipe/infer_gate.json'))['stats']['kept_fraction'], 4))")
-echo
-echo "== snapkv at the gate's kept share ($budget)"
-python infer.py --model smollm2-135m --policy snapkv --budget "$budget" --prompt "$prompt" \
-    --max-new-tokens 24
+python infer.py --model smollm2-135m --policy full --budget 1.0 --context-file "$doc" \
+    --question "$question" --max-new-tokens 24 --json >runs/cpt_recipe/infer_full.json
+python infer.py --model smollm2-135m --policy snapkv --budget "$budget" --context-file "$doc" \
+    --question "$question" --max-new-tokens 24 --json >runs/cpt_recipe/infer_snapkv.json
+summary "full cache" runs/cpt_recipe/infer_full.json
+summary "learned gate" runs/cpt_recipe/infer_gate.json
+summary "snapkv" runs/cpt_recipe/infer_snapkv.json

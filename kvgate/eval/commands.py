@@ -31,6 +31,7 @@ from kvgate.eval.config import (
     PatternConfig,
     PPLConfig,
     ReportConfig,
+    RulerConfig,
     TaskConfig,
     parse_policies,
 )
@@ -39,7 +40,7 @@ from kvgate.eval.report import ResultStore, markdown_table, write_outputs
 from kvgate.policies.base import Budget, Policy
 
 __all__ = ["EvalOutput", "load_model", "parse_policies", "run_eval", "run_matched", "run_mc",
-           "run_needle", "run_pattern", "run_ppl", "run_report"]
+           "run_needle", "run_pattern", "run_ppl", "run_report", "run_ruler"]
 
 Loaded = tuple[Any, Any, dict[str, Any]]
 Loader = Callable[[EvalConfig], Loaded]
@@ -231,7 +232,21 @@ def run_needle(cfg: NeedleConfig, load: Loader | None = None) -> EvalOutput:
     evaluate_needle(model, tokenizer, load_texts(cfg), cfg.lengths, cfg.depths, policies,
                     cfg.budgets, store, scoring=cfg.scoring, mode=cfg.mode, samples=cfg.samples,
                     distractors=cfg.distractors, max_new_tokens=cfg.max_new_tokens,
-                    batch_size=cfg.batch_size, seed=cfg.seed, progress=cfg.progress)
+                    batch_size=cfg.batch_size, seed=cfg.seed, progress=cfg.progress,
+                    query_aware=cfg.query_aware)
+    return _finish(store)
+
+
+def run_ruler(cfg: RulerConfig, load: Loader | None = None) -> EvalOutput:
+    """RULER-style task families per (task, length, policy, budget), question-agnostic unless
+    ``query_aware``."""
+    from kvgate.eval.ruler.run import evaluate_ruler
+
+    model, tokenizer, policies, store = _loaded(cfg, load, cfg.build_policies())
+    evaluate_ruler(model, tokenizer, cfg.tasks, cfg.lengths, policies, cfg.budgets, store,
+                   depths=cfg.depths, limit=cfg.limit, query_aware=cfg.query_aware,
+                   chat=cfg.chat, seed=cfg.seed, max_new_tokens=cfg.max_new_tokens,
+                   progress=cfg.progress)
     return _finish(store)
 
 
@@ -268,7 +283,7 @@ def run_report(cfg: ReportConfig, load: Loader | None = None) -> EvalOutput:
 
 RUNNERS: dict[type, Callable[..., EvalOutput]] = {
     MCConfig: run_mc, MatchedConfig: run_matched, NeedleConfig: run_needle, PPLConfig: run_ppl,
-    PatternConfig: run_pattern, ReportConfig: run_report,
+    PatternConfig: run_pattern, ReportConfig: run_report, RulerConfig: run_ruler,
 }
 
 

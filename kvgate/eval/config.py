@@ -1,4 +1,4 @@
-"""One typed config per evaluation command (``kvgate eval mc|matched|needle|ppl|pattern|report``).
+"""One typed config per evaluation command (``kvgate eval mc|matched|needle|ppl|ruler|pattern|report``).
 
 Each dataclass holds exactly the options of its command, named as its flags are
 (``--max-length`` -> ``max_length``, ``--no-progress`` -> ``progress=False``). List options
@@ -314,6 +314,7 @@ class NeedleConfig(CorpusConfig):
     scoring: str = "rank"               # or "generate" (always over the compressed cache)
     distractors: int = 9
     max_new_tokens: int = 8
+    query_aware: bool = False           # the question inside the compressed prompt (the old way)
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -328,7 +329,8 @@ class NeedleConfig(CorpusConfig):
         scorer = ({"distractors": self.distractors} if self.scoring == "rank"
                   else {"max_new_tokens": self.max_new_tokens})
         # the seed also draws the keys and the filler offsets; the sample count the offsets
-        return {**super().settings(), "seed": self.seed, "samples": self.samples, **scorer}
+        return {**super().settings(), "seed": self.seed, "samples": self.samples, **scorer,
+                "query_aware": bool(self.query_aware)}
 
 
 @dataclass
@@ -356,3 +358,45 @@ class PPLConfig(CorpusConfig):
             return super().settings()
         return {**super().settings(), "max_length": self.max_length, "prefix": self.prefix,
                 "truncate": bool(self.truncate)}
+
+
+@dataclass
+class RulerConfig(EvalConfig):
+    """``kvgate eval ruler``: RULER-style task families, question asked after compression."""
+
+    tasks: str | list[str] = "all"      # or a comma list of kvgate.eval.ruler.TASKS
+    lengths: str | list[int] = "1024,2048,4096"  # context tokens
+    depths: str | list[float] = "0,25,50,75,100"  # % of the haystack, needle families
+    limit: int = 5                      # examples per (task, length)
+    budgets: str | list[Budget] = "0.5"
+    query_aware: bool = False           # the question inside the compressed prompt
+    chat: bool = True                   # --no-chat: plain prompts on a model with a template
+    seed: int = 0
+    max_new_tokens: int | None = None   # caps RULER's tokens to generate per family
+
+    def __post_init__(self) -> None:
+        from kvgate.eval.ruler.tasks import TASKS
+
+        super().__post_init__()
+        self.tasks = list(TASKS) if _items(self.tasks) == ["all"] else _items(self.tasks)
+        if not self.tasks:
+            raise EvalError("--tasks: give at least one task, or all")
+        for t in self.tasks:
+            if t not in TASKS:
+                raise EvalError(f"--tasks: unknown RULER task {t!r}; known: {', '.join(TASKS)}")
+        self.budgets = parse_budgets(self.budgets)
+        self.lengths = parse_numbers(self.lengths, "lengths", int)
+        self.depths = parse_numbers(self.depths, "depths", float)
+        for n in self.lengths:
+            _at_least(n, "--lengths", 16)
+        for d in self.depths:
+            if not 0.0 <= d <= 100.0:
+                raise EvalError(f"--depths must lie in [0, 100] %, got {d:g}")
+        _at_least(self.limit, "--limit")
+        _at_least(self.max_new_tokens, "--max-new-tokens")
+
+    def settings(self) -> dict[str, Any]:
+        # --limit only selects (example s is the same at any limit); the mode is in the key
+        return {**super().settings(), "seed": self.seed, "depths": self.depths,
+                "chat": bool(self.chat), "max_new_tokens": self.max_new_tokens,
+                "query_aware": bool(self.query_aware)}

@@ -1,5 +1,10 @@
-"""``kvgate eval`` (also ``python -m kvgate.eval``): accuracy, retrieval and perplexity under
-KV eviction.
+"""``kvgate eval`` (also ``python -m kvgate.eval``): accuracy, retrieval, RULER-style long
+context and perplexity under KV eviction.
+
+Long context is question-agnostic by default, as the field measures it (kvpress, RULER): the
+context is compressed without its question, which is asked after (``needle``, ``ruler``;
+``--query-aware`` puts the question inside the compressed prompt). ``ppl`` already is: the
+policy sees only each text's first part, and the scored rest comes after compression.
 
 Examples:
     kvgate eval mc --model smollm2-135m --tasks rte,copa \\
@@ -10,6 +15,8 @@ Examples:
         --depths 0,50,100 --policies full,snapkv --budgets 0.25 --scoring rank --out out/n
     kvgate eval ppl --model smollm2-135m --policies full,h2o --budgets 0.5 \\
         --docs 50 --max-length 512 --out out/p
+    kvgate eval ruler --model smollm2-135m --lengths 1024,2048 --limit 5 \\
+        --policies full,snapkv --budgets 0.25,0.5,0.75 --out out/r
     kvgate eval pattern --checkpoint runs/cpt/export --tasks boolq --samples 3 --out out/x
     kvgate eval report --out out/x
 
@@ -24,8 +31,9 @@ policy under a second label with other options. Bad arguments print one line and
 
 A result is reused only by a run with the same model and the same settings that change scores
 (--max-length, --dtype, --split, --fewshot-*, --truncate, --docs, --seed, --text-files,
---samples, --distractors, --max-new-tokens, --prefix): a run into the same OUT that differs in
-one of them stops with one line naming it and both values (kvgate.eval.identity).
+--samples, --distractors, --max-new-tokens, --prefix, --depths, --no-chat, --query-aware): a
+run into the same OUT that differs in one of them stops with one line naming it and both
+values (kvgate.eval.identity).
 A prompt longer than the model's context (max_position_embeddings) stops with one line naming
 it and both lengths; --truncate (mc, matched, pattern, ppl) cuts it instead and says what it
 dropped. Needle prompts and ppl windows are never cut: their length is the setting.
@@ -44,7 +52,8 @@ from typing import Any
 
 # eval command -> its config class in kvgate.eval.config (imported when a command runs)
 CONFIGS = {"mc": "MCConfig", "matched": "MatchedConfig", "needle": "NeedleConfig",
-           "ppl": "PPLConfig", "pattern": "PatternConfig", "report": "ReportConfig"}
+           "ppl": "PPLConfig", "ruler": "RulerConfig", "pattern": "PatternConfig",
+           "report": "ReportConfig"}
 
 
 def build_parser(prog: str = "python -m kvgate.eval") -> argparse.ArgumentParser:
@@ -149,6 +158,10 @@ def add_commands(p: argparse.ArgumentParser) -> None:
                         help="for rank scoring (generate always uses the compressed cache)")
     needle.add_argument("--distractors", type=int, help="default 9")
     needle.add_argument("--max-new-tokens", type=int, help="default 8")
+    needle.add_argument("--query-aware", action="store_true",
+                        help="compress the whole prompt, question included (the old setting; "
+                             "its keys have no -agnostic suffix); by default the question is "
+                             "asked after [intro | filler ... needle ...] is compressed")
 
     ppl = command("ppl", help="perplexity of the second half of texts given their "
                               "compressed first half")
@@ -166,6 +179,24 @@ def add_commands(p: argparse.ArgumentParser) -> None:
     ppl.add_argument("--truncate", action="store_true",
                      help="cut a text longer than the model's context to it (a warning says "
                           "how much was dropped) instead of refusing it")
+
+    ruler = command("ruler", help="RULER-style task families (kvgate.eval.ruler), question "
+                                  "asked after compression")
+    common(ruler)
+    ruler.add_argument("--tasks", help="comma-separated RULER tasks, or all (default all 13)")
+    ruler.add_argument("--lengths", help="context lengths in tokens (default 1024,2048,4096)")
+    ruler.add_argument("--depths", help="needle depths in %% for the niah families "
+                                        "(default 0,25,50,75,100; example s at depth s mod n)")
+    ruler.add_argument("--limit", type=int, help="examples per (task, length) (default 5)")
+    ruler.add_argument("--seed", type=int)
+    ruler.add_argument("--max-new-tokens", type=int,
+                       help="cap on RULER's tokens to generate per family (niah 128, vt 30, "
+                            "cwe 120, fwe 50, qa 32)")
+    ruler.add_argument("--query-aware", action="store_true",
+                       help="prefill context and question together under the policy (key mode "
+                            "query-aware) instead of asking the question after compression")
+    ruler.add_argument("--no-chat", dest="chat", action="store_false",
+                       help="plain prompts even when the tokenizer has a chat template")
 
     pattern = command("pattern", help="plot which entries a policy keeps")
     common(pattern, policies="attention_gate")

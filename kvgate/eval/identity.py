@@ -8,15 +8,20 @@ comes back to it; one that differs is refused in one line naming the setting and
   inventory or of a local model folder, ``others_on``) is per folder, in ``meta``: a folder's
   table compares policies on one model (:class:`kvgate.eval.report.ResultStore`).
 - What the result's key names is checked by the key itself: kind, task (with ``@Kshot``, the
-  needle's ``length@depth``, the ppl window ``@C+K``), policy label, budget (``matched-`` /
+  needle's ``length@depth``, the ppl window ``@C+K``, ruler's ``TASK@LENGTH``), policy label, budget (``matched-`` /
   ``matched~`` for the rounding and the reference), mode (the needle's scoring).
 - The policy's name and options: the key's ``spec``.
 - Every other score-changing setting: the key's ``settings`` (:meth:`settings` of each config in
   :mod:`kvgate.eval.config`): ``dtype``; for tasks ``split``, ``max_length``, ``truncate`` and, at
   k shots, ``fewshot_split`` and ``fewshot_seed``; for corpus texts ``text_files`` or ``docs``
-  and ``seed``; for the needle ``seed``, ``samples`` and ``distractors`` (rank) or
-  ``max_new_tokens`` (generate); for per-text perplexity ``max_length``, ``prefix`` and
-  ``truncate``.
+  and ``seed``; for the needle ``seed``, ``samples``, ``distractors`` (rank) or
+  ``max_new_tokens`` (generate) and ``query_aware``; for per-text perplexity ``max_length``,
+  ``prefix`` and ``truncate``; for ruler ``seed``, ``depths``, ``chat``, ``max_new_tokens`` (the
+  cap) and ``query_aware``.
+- Where the question goes is in the key as well: the needle's mode is ``rank-masked`` (the
+  question compressed with the context, as every needle record before the question-agnostic
+  default was) or ``rank-masked-agnostic`` (asked after compression); ruler's mode is
+  ``agnostic`` or ``query-aware``. Old needle records read as query-aware (``LEGACY``).
 - As a backstop every example stores a digest of the tokens it was scored on (``input``): an
   example whose tokens a run builds differently (data, prompt format or tokenizer changed) is
   refused too.
@@ -45,8 +50,9 @@ from kvgate.eval.masked import EvalError, ScoringItem
 LEGACY: dict[str, dict[str, Any]] = {
     "mc": {"dtype": "float32", "split": "validation", "max_length": None, "truncate": False,
            "fewshot_split": "validation", "fewshot_seed": 0},
+    # needle records from before the question-agnostic default compressed the question too
     "needle": {"dtype": "float32", "text_files": None, "docs": 50, "seed": 0, "samples": 5,
-               "distractors": 9, "max_new_tokens": 8},
+               "distractors": 9, "max_new_tokens": 8, "query_aware": True},
     "ppl": {"dtype": "float32", "text_files": None, "docs": 50, "seed": 0, "max_length": 512,
             "prefix": 0.5, "truncate": False},
 }

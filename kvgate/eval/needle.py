@@ -7,7 +7,11 @@ Passkey (needle in a haystack). A prompt of exactly ``length`` tokens::
 The filler is corpus text (token ids of the passages in order, cycled if short); the needle
 sentence carries a random 5-digit key and is inserted after ``depth`` % of the filler tokens,
 moved to the nearest sentence end within a few tokens when there is one. Everything is built in
-token space, so the length is exact and the depth is known to the token. Two scorers:
+token space, so the length is exact and the depth is known to the token. By default the policy
+compresses ``[intro | filler ... needle ...]`` and the question comes after, over the compressed
+cache (key mode ``...-agnostic``); ``query_aware`` compresses the whole prompt, question included
+(the old setting, whose keys lack the suffix: records from before read as query-aware). Two
+scorers:
 
 - ``generate`` (cache mode): greedy decoding over the compressed cache; a hit when the key
   appears in the first ``max_new_tokens`` generated tokens;
@@ -34,6 +38,7 @@ import torch
 from torch import nn
 
 from kvgate.attention.masks import left_pad
+from kvgate.cache.fork import grow_capacity
 from kvgate.eval.masked import EvalError, ScoringItem, model_device, model_shape, pad_id
 from kvgate.eval.multiple_choice import (
     check_mode,
@@ -141,9 +146,11 @@ def needle_set(tokenizer: Any, texts: Sequence[str], length: int, depth: float, 
 
 
 def rank_item(example: NeedleExample, tokenizer: Any, distractors: int = 9,
-              seed: int = 0) -> ScoringItem:
+              seed: int = 0, query_aware: bool = True) -> ScoringItem:
     """The prompt with the true key among ``distractors`` other keys, gold at a random place
-    (so ties never favour the true key)."""
+    (so ties never favour the true key). Not ``query_aware``: the context stops before the
+    question, and each choice is the question + its key (the question's tokens score the same
+    under every choice, so the ranking is the keys')."""
     rng = random.Random(f"{seed}|{example.uid}")
     keys = {example.key}
     while len(keys) < distractors + 1:
@@ -152,8 +159,10 @@ def rank_item(example: NeedleExample, tokenizer: Any, distractors: int = 9,
     rng.shuffle(others)
     gold = rng.randrange(distractors + 1)
     order = others[:gold] + [example.key] + others[gold:]
-    choices = tuple(tuple(encode(tokenizer, " " + k)) for k in order)
-    return ScoringItem(example.uid, example.ids, choices, gold, tuple(len(k) for k in order))
+    q = () if query_aware else tuple(encode(tokenizer, QUESTION))
+    choices = tuple(q + tuple(encode(tokenizer, " " + k)) for k in order)
+    context = example.ids if query_aware else example.ids[:len(example.ids) - len(q)]
+    return ScoringItem(example.uid, context, choices, gold, tuple(len(k) for k in order))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -163,8 +172,11 @@ def rank_item(example: NeedleExample, tokenizer: Any, distractors: int = 9,
 @torch.no_grad()
 def generate_greedy(model: nn.Module, prompts: Sequence[Sequence[int]], policy: Policy,
                     budget: Budget, max_new_tokens: int = 8, pad: int = 0,
-                    eos: int | None = None) -> tuple[list[list[int]], list[int], list[int]]:
-    """Greedy continuation of left-padded ``prompts`` over a ``CompressedCache``.
+                    eos: int | None = None, suffix: Sequence[int] = (),
+                    ) -> tuple[list[list[int]], list[int], list[int]]:
+    """Greedy continuation of left-padded ``prompts`` over a ``CompressedCache``; ``suffix``
+    (a question) is fed after the prompts are compressed, adding to the cache, and decoding
+    continues from it.
 
     Returns (generated ids per prompt, kept context entries per prompt, L x H_kv x n_ctx per
     prompt). Generation stops early when every row produced ``eos``.
@@ -180,6 +192,15 @@ def generate_greedy(model: nn.Module, prompts: Sequence[Sequence[int]], policy: 
                    logits_to_keep=1).logits[:, -1]
     kept = sum(cache.kept_counts(layer).sum(-1) for layer in range(num_layers)).cpu()
     mask = mask.to(device)
+    start = n_real.to(device)
+    if suffix:
+        grow_capacity(cache, torch.full((len(prompts),), len(suffix)))
+        q = torch.tensor([list(suffix)] * len(prompts), device=device)
+        mask = torch.cat([mask, torch.ones_like(q)], dim=1)
+        logits = model(input_ids=q, attention_mask=mask,
+                       position_ids=start[:, None] + torch.arange(len(suffix), device=device),
+                       past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
+        start = start + len(suffix)
     out = torch.empty((len(prompts), 0), dtype=torch.long, device=device)
     done = torch.zeros(len(prompts), dtype=torch.bool, device=device)
     for step in range(max_new_tokens):  # a loop over decode steps
@@ -193,7 +214,7 @@ def generate_greedy(model: nn.Module, prompts: Sequence[Sequence[int]], policy: 
             break
         mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
         logits = model(input_ids=nxt[:, None], attention_mask=mask,
-                       position_ids=(n_real.to(device) + step)[:, None],
+                       position_ids=(start + step)[:, None],
                        past_key_values=cache, use_cache=True).logits[:, -1]
     gen = []
     for row in out.cpu().tolist():
@@ -237,8 +258,10 @@ def evaluate_needle(model: nn.Module, tokenizer: Any, texts: Sequence[str],
                     policies: Mapping[str, Policy], budgets: Sequence[Budget],
                     store: ResultStore, *, scoring: str = "rank", mode: str = "masked",
                     samples: int = 5, distractors: int = 9, max_new_tokens: int = 8,
-                    batch_size: int = 1, seed: int = 0, progress: bool = True) -> list[str]:
-    """Accuracy per (length, depth, policy, budget); returns the result keys.
+                    batch_size: int = 1, seed: int = 0, progress: bool = True,
+                    query_aware: bool = False) -> list[str]:
+    """Accuracy per (length, depth, policy, budget); returns the result keys. The question
+    comes after compression unless ``query_aware`` (see the module docstring).
 
     scoring ``rank`` runs in ``mode`` (masked or cache); ``generate`` always runs over the
     compressed cache. Every prompt, with its answer (rank) or ``max_new_tokens`` (generate),
@@ -250,12 +273,16 @@ def evaluate_needle(model: nn.Module, tokenizer: Any, texts: Sequence[str],
     mode = "cache" if scoring == "generate" else check_mode(mode)
     pad = pad_id(tokenizer)
     eos = getattr(tokenizer, "eos_token_id", None)
+    question = [] if query_aware else encode(tokenizer, QUESTION)
     cells = []
     for length in lengths:
         for depth in depths:
             examples = needle_set(tokenizer, texts, int(length), float(depth), samples, seed)
-            ranked = [rank_item(ex, tokenizer, distractors, seed) for ex in examples]
-            check_needle_fits(ranked if scoring == "rank" else examples,
+            whole = [rank_item(ex, tokenizer, distractors, seed) for ex in examples]
+            ranked = whole if query_aware else [rank_item(ex, tokenizer, distractors, seed, False)
+                                                for ex in examples]
+            # the same tokens either way; checked (and named) as whole prompts
+            check_needle_fits(whole if scoring == "rank" else examples,
                               context_limit(model.config), max_new_tokens)
             cells.append((length, depth, examples, ranked))
     keys = []
@@ -267,15 +294,15 @@ def evaluate_needle(model: nn.Module, tokenizer: Any, texts: Sequence[str],
             for bud in buds:
                 fixed = bud or Budget(ratio=1.0)
                 key = make_key("needle", f"{length}@{depth:g}", name, budget_label(bud),
-                               f"{scoring}-{mode}")
+                               f"{scoring}-{mode}" + ("" if query_aware else "-agnostic"))
                 if scoring == "rank":
                     run_items(model, ranked, policy, lambda _u, b=fixed: b, mode, store, key,
                               needle_summary, extra, batch_size, pad, progress)
                 else:
                     def score(batch, policy=policy, fixed=fixed):
                         gen, kept, total = generate_greedy(
-                            model, [ex.ids for ex in batch], policy, fixed, max_new_tokens,
-                            pad, eos)
+                            model, [ex.ids[:len(ex.ids) - len(question)] for ex in batch],
+                            policy, fixed, max_new_tokens, pad, eos, question)
                         recs = []
                         for ex, g, k, t in zip(batch, gen, kept, total):
                             text = tokenizer.decode(g)

@@ -3,7 +3,7 @@
 ``results.json`` layout::
 
     {"meta": {"model": ..., ...},
-     "results": {KEY: {"kind": "mc"|"needle"|"ppl", "complete": bool, <summary numbers>,
+     "results": {KEY: {"kind": "mc"|"needle"|"ppl"|"ruler", "complete": bool, <summary numbers>,
                        "spec": {"policy": NAME, "options": {...}},
                        "examples": {uid: {<per-example numbers>}}}}}
 
@@ -214,6 +214,11 @@ def markdown_table(results: Iterable[dict[str, Any]]) -> str:
         for r in rows:
             lines.append("| " + " | ".join(_fmt(r.get(k)) for k, _ in spec) + " |")
         parts.append("\n".join(lines))
+    from kvgate.eval.ruler.report import ruler_markdown
+
+    ruler = ruler_markdown(list(by_kind.get("ruler", [])))
+    if ruler:
+        parts.append(ruler)
     return "\n\n".join(parts) + "\n"
 
 
@@ -393,4 +398,8 @@ def write_outputs(store: ResultStore) -> list[Path]:
     if ppl is not None:
         paths.append(ppl)
     paths.extend(plot_needle_heatmaps(results, store.dir))
+    from kvgate.eval.ruler.report import plot_ruler_accuracy, plot_ruler_heatmaps
+
+    paths.extend(plot_ruler_accuracy(results, store.dir))
+    paths.extend(plot_ruler_heatmaps(results, store.dir))
     return paths

@@ -27,6 +27,7 @@ from torch import Tensor
 from kvgate.attention.masks import left_pad
 from kvgate.cache import CompressedCache
 from kvgate.cache.fork import fork_cache, grow_capacity
+from kvgate.inference.decode import decode, until_eos
 from kvgate.models.limits import InputTooLongError, context_limit, fit_to_context
 from kvgate.policies.base import PolicyError
 
@@ -190,25 +191,9 @@ def _answer_round(engine: Any, compressed: CompressedContext, questions: list[st
                        past_key_values=cache, use_cache=True, logits_to_keep=1)
     eos = getattr(tok, "eos_token_id", None)
     pad = tok.pad_token_id if tok.pad_token_id is not None else eos
-    batch = q_ids.shape[0]
-    done = torch.zeros(batch, dtype=torch.bool, device=device)
-    next_pos = positions[:, -1:] + 1
-    tokens: list[Tensor] = []
-    while True:  # a loop over decode steps
-        nxt = out.logits[:, -1].float().argmax(-1)
-        if pad is not None:
-            nxt = torch.where(done, torch.full_like(nxt, pad), nxt)
-        tokens.append(nxt)
-        if eos is not None:
-            done = done | (nxt == eos)
-        if len(tokens) == max_new_tokens or bool(done.all()):
-            break
-        mask = torch.cat([mask, mask.new_ones(batch, 1)], dim=1)
-        out = engine.model(input_ids=nxt[:, None], attention_mask=mask, position_ids=next_pos,
-                           past_key_values=cache, use_cache=True)
-        next_pos = next_pos + 1
-    generated = torch.stack(tokens, dim=1).tolist()
-    return [_until_eos(row, eos) for row in generated]
+    generated, _ = decode(engine.model, out, mask, positions[:, -1:] + 1, cache,
+                          max_new_tokens, eos, pad)
+    return [until_eos(row, eos) for row in generated]
 
 
 def _question_text(compressed: CompressedContext, question: str, answer_prefix: str | None) -> str:
@@ -233,12 +218,6 @@ def _check_fits(engine: Any, compressed: CompressedContext, rows: list[list[int]
 
 def _positions(mask: Tensor) -> Tensor:
     return (mask.long().cumsum(-1) - 1).clamp(min=0)
-
-
-def _until_eos(row: list[int], eos: int | None) -> list[int]:
-    if eos is not None and eos in row:
-        return row[:row.index(eos) + 1]
-    return row
 
 
 def _sync(device: torch.device) -> None:

@@ -19,6 +19,7 @@ from kvgate.cache import CompressedCache
 from kvgate.inference.compress import CompressedContext
 from kvgate.inference.compress import answer as answer_questions
 from kvgate.inference.compress import compress as compress_contexts
+from kvgate.inference.decode import decode, until_eos
 from kvgate.models import dispatch
 from kvgate.models.limits import context_limit, fit_to_context, quiet_length_warning
 from kvgate.policies.base import Budget, Policy, PolicyError
@@ -186,36 +187,20 @@ class Engine:
         kept = cache.kept_fraction()
         kept_layers = cache.kept_fractions()
 
-        batch = ids.shape[0]
-        done = torch.zeros(batch, dtype=torch.bool, device=device)
-        tokens: list[Tensor] = []
-        next_pos = positions[:, -1:] + 1
-        steps = 0
-        t1 = time.perf_counter()
-        while True:
-            logits = out.logits[:, -1].float()
+        def pick(logits: Tensor) -> Tensor:
             if greedy:
-                nxt = logits.argmax(-1)
-            else:
-                probs = torch.softmax(logits / temperature, dim=-1)
-                nxt = torch.multinomial(probs, 1, generator=gen)[:, 0]
-            if pad is not None:
-                nxt = torch.where(done, torch.full_like(nxt, pad), nxt)
-            tokens.append(nxt)
-            if eos is not None:
-                done = done | (nxt == eos)
-            if len(tokens) == max_new_tokens or bool(done.all()):
-                break
-            mask = torch.cat([mask, mask.new_ones(batch, 1)], dim=1)
-            out = self.model(input_ids=nxt[:, None], attention_mask=mask, position_ids=next_pos,
-                             past_key_values=cache, use_cache=True)
-            next_pos = next_pos + 1
-            steps += 1
+                return logits.argmax(-1)
+            probs = torch.softmax(logits / temperature, dim=-1)
+            return torch.multinomial(probs, 1, generator=gen)[:, 0]
+
+        t1 = time.perf_counter()
+        generated, steps = decode(self.model, out, mask, positions[:, -1:] + 1, cache,
+                                  max_new_tokens, eos, pad, pick)
         sync_device(device)
         decode_s = time.perf_counter() - t1
+        batch = ids.shape[0]
 
-        generated = torch.stack(tokens, dim=1).tolist()
-        token_ids = [_until_eos(row, eos) for row in generated]
+        token_ids = [until_eos(row, eos) for row in generated]
         texts = [self.tokenizer.decode(row, skip_special_tokens=True) for row in token_ids]
         stats = GenerationStats(
             prompt_tokens=mask[:, :ids.shape[1]].sum(-1).tolist(),
@@ -245,9 +230,3 @@ class Engine:
 def _positions(mask: Tensor) -> Tensor:
     """RoPE positions of a left-padded batch: real tokens count from 0 (pads get 0)."""
     return (mask.long().cumsum(-1) - 1).clamp(min=0)
-
-
-def _until_eos(row: list[int], eos: int | None) -> list[int]:
-    if eos is not None and eos in row:
-        return row[:row.index(eos) + 1]
-    return row

@@ -114,12 +114,12 @@ def test_needle_runs_write_accuracy_cells(tmp_path):
         rec = st.results[key]
         assert rec["complete"] and rec["n"] == 2 and 0.0 <= rec["acc"] <= 100.0
         assert rec["length"] == 260 and rec["depth"] in (0.0, 100.0)
-    assert st.results["needle|260@0|window|0.25|rank-masked"]["evict_pct"] > 70
+    assert st.results["needle|260@0|window|0.25|rank-masked-agnostic"]["evict_pct"] > 70
     gen = evaluate_needle(tiny_llama, TOK, FILLER, [260], [50.0], {"window": policies["window"]},
                           [Budget(ratio=0.5)], st, scoring="generate", samples=2,
                           max_new_tokens=3, progress=False)
     rec = st.results[gen[0]]
-    assert gen[0].endswith("generate-cache") and rec["n"] == 2
+    assert gen[0].endswith("generate-cache-agnostic") and rec["n"] == 2
     assert all(r["hit"] == (r["key"] in r["output"]) for r in rec["examples"].values())
 
 
@@ -201,3 +201,33 @@ def test_more_ppl_windows_extend_a_finished_run(tiny_llama, tmp_path):
     assert got["complete"] and got["n"] == 4 and got["tokens"] == 4 * 6
     assert all(got["examples"][uid] == rec for uid, rec in first.items())  # the first two kept
     assert got["ppl"] == pytest.approx(want["ppl"], rel=1e-6)
+
+
+def test_needle_question_after_compression_by_default(tmp_path):
+    """The default compresses [intro | filler ... needle ...] and asks after; --query-aware
+    compresses the question too, under the old keys. With the full cache both see the same
+    tokens, so they agree; a policy then keeps shares of different prompts."""
+    model = build(tiny_llama_config(max_position_embeddings=512))
+    st = ResultStore(tmp_path, {"model": "tiny", "checkpoint": None}, flush_s=0.0)
+    policies = {"full": get_policy("full"), "snapkv": get_policy("snapkv")}
+    args = (model, TOK, FILLER, [260], [50.0], policies, [Budget(ratio=0.25)], st)
+    kw = {"scoring": "generate", "samples": 2, "max_new_tokens": 4, "progress": False}
+    agnostic = evaluate_needle(*args, **kw)
+    aware = evaluate_needle(*args, **kw, query_aware=True)
+    assert agnostic == [k + "-agnostic" for k in aware]
+    q = len(TOK(QUESTION, False)["input_ids"])
+    for a, b in zip(agnostic, aware):
+        ra, rb = st.results[a]["examples"], st.results[b]["examples"]
+        assert ra.keys() == rb.keys()
+        for uid in ra:  # the policy held the context only, then the whole prompt
+            assert rb[uid]["total"] - ra[uid]["total"] == 2 * 2 * q
+    full_a, full_b = (st.results[k]["examples"] for k in (agnostic[0], aware[0]))
+    assert [r["output"] for r in full_a.values()] == [r["output"] for r in full_b.values()]
+    ranked = evaluate_needle(*args, scoring="rank", samples=2, distractors=3, progress=False)
+    old = evaluate_needle(*args, scoring="rank", samples=2, distractors=3, progress=False,
+                          query_aware=True)
+    assert ranked[0].endswith("rank-masked-agnostic") and old[0].endswith("rank-masked")
+    for a, b in zip(ranked[:1], old[:1]):  # full: the same ranking either way
+        ea, eb = st.results[a]["examples"], st.results[b]["examples"]
+        assert [r["gold"] for r in ea.values()] == [r["gold"] for r in eb.values()]
+        assert st.results[a]["acc"] == st.results[b]["acc"]

@@ -1,0 +1,150 @@
+"""RULER results: tables (per task family and averaged, with 95% intervals and seconds per
+example) and plots (accuracy vs eviction per family, length x depth heatmaps of the needle
+families), in the style of :mod:`kvgate.eval.report`."""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from kvgate.eval.intervals import stratified_interval
+
+Row = dict[str, Any]
+
+
+def _ruler(results: Sequence[Row]) -> list[Row]:
+    return [r for r in results if r.get("kind") == "ruler" and r.get("acc") is not None]
+
+
+def _f(value: Any, digits: int = 1) -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "-"
+    return f"{value:.{digits}f}"
+
+
+def _group(rows: Sequence[Row]) -> dict[tuple[int, str, str, str], list[Row]]:
+    """(length, policy, budget, mode) -> that setting's rows, one per task family."""
+    groups: dict[tuple[int, str, str, str], list[Row]] = defaultdict(list)
+    for r in rows:
+        groups[(int(r["length"]), r["policy"], r["budget"], r["mode"])].append(r)
+    return groups
+
+
+def averages(results: Sequence[Row]) -> list[Row]:
+    """One row per (length, policy, budget, mode): the mean of the family scores, its 95%
+    interval (bootstrap within each family), %Evict, seconds per example and their ratio to the
+    full cache's at the same length and mode (where ``full`` ran)."""
+    groups = _group(_ruler(results))
+    out = []
+    for (length, policy, budget, mode), rows in sorted(groups.items()):
+        scores = [[float(e["score"]) for e in r.get("examples", {}).values()] for r in rows]
+        lo, hi = stratified_interval(scores)
+        secs = sum(r["sec_per_example"] for r in rows) / len(rows)
+        out.append({"length": length, "policy": policy, "budget": budget, "mode": mode,
+                    "families": len(rows), "n": sum(r["n"] for r in rows),
+                    "acc": sum(r["acc"] for r in rows) / len(rows), "ci_low": lo, "ci_high": hi,
+                    "evict_pct": sum(r["evict_pct"] for r in rows) / len(rows),
+                    "sec_per_example": secs})
+    full = {(r["length"], r["mode"], r["families"]): r["sec_per_example"] for r in out
+            if r["policy"] == "full"}
+    for r in out:
+        ref = full.get((r["length"], r["mode"], r["families"]))
+        r["x_full"] = r["sec_per_example"] / ref if ref else math.nan
+    return out
+
+
+def ruler_markdown(results: Sequence[Row]) -> str:
+    """The per-family table and the averaged one ('' when there are no RULER results)."""
+    rows = _ruler(results)
+    if not rows:
+        return ""
+    head = "| task | length | policy | budget | mode | n | score % | 95% CI | %Evict | s/example |"
+    lines = ["### ruler", "", head, "|" + "---|" * 10]
+    for r in sorted(rows, key=lambda r: (r["family"], int(r["length"]), r["policy"],
+                                         r["budget"], r["mode"])):
+        lines.append(f"| {r['family']} | {r['length']} | {r['policy']} | {r['budget']} | "
+                     f"{r['mode']} | {r['n']} | {_f(r['acc'])} | {_f(r['ci_low'])}-"
+                     f"{_f(r['ci_high'])} | {_f(r['evict_pct'])} | "
+                     f"{_f(r['sec_per_example'], 3)} |")
+    head = ("| length | policy | budget | mode | families | n | score % | 95% CI | %Evict | "
+            "s/example | x full |")
+    lines += ["", "### ruler (average over task families)", "", head, "|" + "---|" * 11]
+    for a in averages(results):
+        lines.append(f"| {a['length']} | {a['policy']} | {a['budget']} | {a['mode']} | "
+                     f"{a['families']} | {a['n']} | {_f(a['acc'])} | {_f(a['ci_low'])}-"
+                     f"{_f(a['ci_high'])} | {_f(a['evict_pct'])} | "
+                     f"{_f(a['sec_per_example'], 3)} | {_f(a['x_full'], 2)} |")
+    return "\n".join(lines)
+
+
+def plot_ruler_accuracy(results: Sequence[Row], out_dir: str | Path) -> list[Path]:
+    """Per context length and mode: score against %Evict, one panel per task family (and the
+    average), one series per policy."""
+    from kvgate.eval.report import _draw_series, _pyplot, _save
+
+    rows = _ruler(results)
+    paths = []
+    for length, mode in sorted({(int(r["length"]), r["mode"]) for r in rows}):
+        mine = [r for r in rows if int(r["length"]) == length and r["mode"] == mode]
+        families = sorted({r["family"] for r in mine})
+        panels = families + (["average"] if len(families) > 1 else [])
+        cols = min(5, len(panels))
+        nrows = math.ceil(len(panels) / cols)
+        plt = _pyplot()
+        fig, axes = plt.subplots(nrows, cols, figsize=(4.0 * cols, 3.4 * nrows), squeeze=False)
+        avg = [a for a in averages(mine) if a["families"] == len(families)]
+        for i, panel in enumerate(panels):
+            ax = axes[i // cols][i % cols]
+            data = avg if panel == "average" else [r for r in mine if r["family"] == panel]
+            _draw_series(ax, data, "acc", panel, "score %")
+        for j in range(len(panels), nrows * cols):
+            axes[j // cols][j % cols].axis("off")
+        last = (len(panels) - 1) // cols, (len(panels) - 1) % cols
+        path = Path(out_dir) / f"ruler_accuracy_{length}_{mode}.png"
+        paths.append(_save(plt, fig, [[axes[last[0]][last[1]]]], path))
+        plt.close("all")
+    return paths
+
+
+def plot_ruler_heatmaps(results: Sequence[Row], out_dir: str | Path) -> list[Path]:
+    """One heatmap (context length x needle depth -> score, over the needle families' examples)
+    per (policy, budget, mode)."""
+    from kvgate.eval.report import _pyplot
+    from kvgate.eval.ruler.run import NEEDLE_FAMILIES
+
+    rows = [r for r in _ruler(results) if r["family"] in NEEDLE_FAMILIES]
+    cells: dict[tuple[str, str, str], dict[tuple[int, float], list[float]]] = defaultdict(
+        lambda: defaultdict(list))
+    for r in rows:
+        for e in r.get("examples", {}).values():
+            if e.get("depth") is not None:
+                cells[(r["policy"], r["budget"], r["mode"])][(int(r["length"]),
+                                                              float(e["depth"]))].append(
+                    float(e["score"]))
+    if not cells:
+        return []
+    plt = _pyplot()
+    paths = []
+    for (policy, budget, mode), grid_cells in sorted(cells.items()):
+        lengths = sorted({k[0] for k in grid_cells})
+        depths = sorted({k[1] for k in grid_cells})
+        grid = [[math.nan] * len(depths) for _ in lengths]
+        for (length, depth), scores in grid_cells.items():
+            grid[lengths.index(length)][depths.index(depth)] = sum(scores) / len(scores)
+        fig, ax = plt.subplots(figsize=(1.0 + 0.7 * len(depths), 1.2 + 0.5 * len(lengths)))
+        im = ax.imshow(grid, vmin=0, vmax=100, cmap="RdYlGn", aspect="auto", origin="lower")
+        ax.set_xticks(range(len(depths)), [f"{d:g}" for d in depths])
+        ax.set_yticks(range(len(lengths)), [str(n) for n in lengths])
+        ax.set_xlabel("needle depth %")
+        ax.set_ylabel("context tokens")
+        ax.set_title(f"ruler niah: {policy} ({budget}, {mode})", fontsize=9)
+        fig.colorbar(im, ax=ax, label="score %")
+        fig.tight_layout()
+        path = Path(out_dir) / f"ruler_niah_{policy}_{budget}_{mode}.png".replace("/", "_")
+        fig.savefig(path, dpi=120)
+        plt.close(fig)
+        paths.append(path)
+    return paths

@@ -1,0 +1,186 @@
+"""``kvgate eval ruler``: RULER-style tasks under eviction, question-agnostic by default.
+
+Each (task, length) gets ``limit`` examples (:func:`kvgate.eval.ruler.tasks.generate`, seeds
+0..limit-1; a needle family's example ``s`` sits at ``depths[s % len(depths)]``, the other
+families draw their own depths). Per policy and budget, every example is scored one at a time:
+
+- question-agnostic (the default, key mode ``agnostic``): the context is compressed with
+  ``Engine.compress`` (the policy never sees the question), then ``Engine.answer`` asks the
+  question (with the task's answer prefix) over the compressed cache and decodes greedily;
+- query-aware (``--query-aware``, key mode ``query-aware``): the same tokens, context and
+  question, are prefilled together under the policy (which then sees the question), then
+  decoded greedily (:func:`kvgate.eval.needle.generate_greedy`).
+
+The answer is scored with RULER's metric of the task (``string_match_all`` /
+``string_match_part``, in %); each example's record holds the answer text, the score, the kept
+share and the seconds of compress + answer. Keys: ``ruler|TASK@LENGTH|POLICY|BUDGET|MODE``.
+Every prompt (context, question, answer prefix and the tokens to generate) must fit the model's
+context: a length that does not is refused before anything is scored.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from torch import nn
+
+from kvgate.eval.intervals import mean_interval
+from kvgate.eval.masked import model_shape, pad_id
+from kvgate.eval.multiple_choice import evict_summary, run_resumable
+from kvgate.eval.report import ResultStore, budget_label, make_key
+from kvgate.eval.ruler.scoring import score
+from kvgate.eval.ruler.tasks import NIAH, TASKS, RulerExample, generate
+from kvgate.models.limits import InputTooLongError, context_limit
+from kvgate.policies.base import Budget, Policy
+
+# RULER's tokens_to_generate per family (scripts/synthetic.yaml); --max-new-tokens caps them
+MAX_NEW_TOKENS = {**{t: 128 for t in NIAH}, "vt": 30, "cwe": 120, "fwe": 50, "qa_1": 32,
+                  "qa_2": 32}
+NEEDLE_FAMILIES = tuple(NIAH)
+MODES = ("agnostic", "query-aware")
+
+
+@dataclass(frozen=True)
+class RulerItem:
+    """One example with its tokens: ``ids`` = context part + question part (the digest and
+    the batching size read it), ``n_ctx`` of them the context part."""
+
+    uid: str
+    example: RulerExample
+    ids: tuple[int, ...]
+    n_ctx: int
+    depth: float | None  # as asked (%), None when the family draws its own
+    max_new_tokens: int
+
+
+def task_max_new_tokens(task: str, cap: int | None = None) -> int:
+    n = MAX_NEW_TOKENS[task]
+    return n if cap is None else min(n, cap)
+
+
+def prompt_ids(tokenizer: Any, example: RulerExample, chat: bool) -> tuple[list[int], list[int]]:
+    """(context part, question part) token ids exactly as ``Engine.compress`` / ``answer``
+    build them (chat template when the tokenizer has one and ``chat``)."""
+    from kvgate.inference.compress import has_chat_template, split_prompt
+
+    chat = chat and has_chat_template(tokenizer)
+    ctx, question = split_prompt(tokenizer, example.context, example.question,
+                                 example.answer_prefix, chat)
+    ctx_ids = tokenizer(ctx, add_special_tokens=not chat)["input_ids"]
+    return list(ctx_ids), list(tokenizer(question, add_special_tokens=False)["input_ids"])
+
+
+def build_items(tokenizer: Any, task: str, length: int, depths: Sequence[float], limit: int,
+                seed: int = 0, chat: bool = True, max_new_cap: int | None = None,
+                model_limit: int | None = None) -> list[RulerItem]:
+    """The ``limit`` examples of (task, length); ``InputTooLongError`` when a prompt and its
+    answer tokens overrun ``model_limit``."""
+    items = []
+    new = task_max_new_tokens(task, max_new_cap)
+    for s in range(limit):
+        depth = float(depths[s % len(depths)]) if task in NIAH else None
+        ex = generate(task, tokenizer, length, None if depth is None else depth / 100.0,
+                      seed=seed + s)
+        ctx, question = prompt_ids(tokenizer, ex, chat)
+        total = len(ctx) + len(question) + new
+        if model_limit is not None and total > model_limit:
+            raise InputTooLongError(
+                f"ruler {task} at length {length:,}: the prompt has {len(ctx) + len(question):,}"
+                f" tokens + {new} new tokens = {total:,}; the model takes at most "
+                f"{model_limit:,} (max_position_embeddings): use --lengths of at most "
+                f"{max(0, length - (total - model_limit)):,}")
+        uid = f"{task}@{length}:{s}" + ("" if depth is None else f":d{depth:g}")
+        items.append(RulerItem(uid, ex, tuple(ctx + question), len(ctx), depth, new))
+    return items
+
+
+def ruler_summary(records: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
+    """Mean RULER score (%), its 95% interval, %Evict and seconds per example."""
+    scores = [float(r["score"]) for r in records.values()]
+    n = len(scores)
+    lo, hi = mean_interval(scores) if n else (float("nan"), float("nan"))
+    secs = [float(r["seconds"]) for r in records.values()]
+    return {"n": n, "acc": sum(scores) / n if n else float("nan"), "ci_low": lo, "ci_high": hi,
+            "sec_per_example": sum(secs) / n if n else float("nan"), **evict_summary(records)}
+
+
+def _record(item: RulerItem, text: str, kept: int, total: int, seconds: float) -> dict[str, Any]:
+    ex = item.example
+    return {"output": text, "answers": list(ex.answers),
+            "score": score(ex.task, [text], [ex.answers]), "depth": item.depth,
+            "kept": kept, "total": total, "evict": 1.0 - kept / max(total, 1),
+            "n_ctx": item.n_ctx, "seconds": seconds}
+
+
+def score_agnostic(model: nn.Module, tokenizer: Any, item: RulerItem, policy: Policy,
+                   budget: Budget, chat: bool) -> dict[str, Any]:
+    """Compress the context, then ask the question over the compressed cache."""
+    from kvgate.inference import Engine
+
+    layers, heads = model_shape(model)
+    engine = Engine(model, tokenizer, policy, budget)
+    ex = item.example
+    t0 = time.perf_counter()
+    compressed = engine.compress(ex.context, chat=chat)
+    text = engine.answer(compressed, [ex.question], max_new_tokens=item.max_new_tokens,
+                         answer_prefix=ex.answer_prefix)[0]
+    seconds = time.perf_counter() - t0
+    total = layers * heads * compressed.lengths[0]
+    return _record(item, text, round(compressed.kept_fraction * total), total, seconds)
+
+
+def score_query_aware(model: nn.Module, tokenizer: Any, item: RulerItem, policy: Policy,
+                      budget: Budget) -> dict[str, Any]:
+    """Prefill context and question together under the policy, then decode."""
+    from kvgate.eval.needle import generate_greedy
+
+    t0 = time.perf_counter()
+    gen, kept, total = generate_greedy(model, [item.ids], policy, budget, item.max_new_tokens,
+                                       pad_id(tokenizer), getattr(tokenizer, "eos_token_id", None))
+    seconds = time.perf_counter() - t0
+    text = tokenizer.decode(gen[0], skip_special_tokens=True)
+    return _record(item, text, kept[0], total[0], seconds)
+
+
+def evaluate_ruler(model: nn.Module, tokenizer: Any, tasks: Sequence[str],
+                   lengths: Sequence[int], policies: Mapping[str, Policy],
+                   budgets: Sequence[Budget], store: ResultStore, *,
+                   depths: Sequence[float] = (0, 25, 50, 75, 100), limit: int = 5,
+                   query_aware: bool = False, chat: bool = True, seed: int = 0,
+                   max_new_tokens: int | None = None, progress: bool = True) -> list[str]:
+    """Score every (task, length, policy, budget); returns the result keys. Every cell is
+    built (and checked to fit the model) before anything is scored."""
+    for task in tasks:
+        if task not in TASKS:
+            from kvgate.eval.ruler.haystack import RulerError
+
+            raise RulerError(f"unknown RULER task {task!r}; known: {', '.join(TASKS)}")
+    if getattr(tokenizer, "pad_token", "") is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    model_limit = context_limit(model.config)
+    cells = [(task, int(length), build_items(tokenizer, task, int(length), depths, limit, seed,
+                                             chat, max_new_tokens, model_limit))
+             for length in lengths for task in tasks]
+    mode = MODES[1] if query_aware else MODES[0]
+    keys = []
+    for task, length, items in cells:
+        extra = {"family": task, "length": length, "query_aware": query_aware}
+        for name, policy in policies.items():
+            buds: Sequence[Budget | None] = [None] if policy.budget_free else budgets
+            for bud in buds:
+                fixed = bud or Budget(ratio=1.0)
+                key = make_key("ruler", f"{task}@{length}", name, budget_label(bud), mode)
+
+                def run(batch, policy=policy, fixed=fixed):
+                    if query_aware:
+                        return [score_query_aware(model, tokenizer, it, policy, fixed)
+                                for it in batch]
+                    return [score_agnostic(model, tokenizer, it, policy, fixed, chat)
+                            for it in batch]
+
+                run_resumable(store, key, items, run, ruler_summary, extra, 1, progress, policy)
+                keys.append(key)
+    return keys

@@ -1,0 +1,44 @@
+"""Token-by-token decoding over a cache after a prefill (shared by generation and answering)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+
+def decode(model: nn.Module, out: Any, mask: Tensor, next_pos: Tensor, cache: Any,
+           max_new_tokens: int, eos: int | None, pad: int | None,
+           pick: Callable[[Tensor], Tensor] | None = None) -> tuple[list[list[int]], int]:
+    """Decode after a prefill whose output is ``out``: each step picks the next token of every
+    row from its last logits (``pick``, default greedy), rows that met ``eos`` get ``pad``,
+    until ``max_new_tokens`` or every row is done. ``mask`` [B, n] is the attention mask so far,
+    ``next_pos`` [B, 1] the next token's position. Returns (tokens per row, forwards run)."""
+    pick = pick or (lambda logits: logits.argmax(-1))
+    batch = mask.shape[0]
+    done = torch.zeros(batch, dtype=torch.bool, device=mask.device)
+    tokens: list[Tensor] = []
+    steps = 0
+    while True:  # a loop over decode steps
+        nxt = pick(out.logits[:, -1].float())
+        if pad is not None:
+            nxt = torch.where(done, torch.full_like(nxt, pad), nxt)
+        tokens.append(nxt)
+        if eos is not None:
+            done = done | (nxt == eos)
+        if len(tokens) == max_new_tokens or bool(done.all()):
+            break
+        mask = torch.cat([mask, mask.new_ones(batch, 1)], dim=1)
+        out = model(input_ids=nxt[:, None], attention_mask=mask, position_ids=next_pos,
+                    past_key_values=cache, use_cache=True)
+        next_pos = next_pos + 1
+        steps += 1
+    return torch.stack(tokens, dim=1).tolist(), steps
+
+
+def until_eos(row: list[int], eos: int | None) -> list[int]:
+    if eos is not None and eos in row:
+        return row[:row.index(eos) + 1]
+    return row

@@ -1,0 +1,134 @@
+"""``kvgate eval ruler`` end to end on a tiny model and a character tokenizer: keys, records,
+tables and plots, resume, refused settings and lengths, question-agnostic vs query-aware."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import build, tiny_llama_config
+
+import kvgate.eval.commands
+from kvgate.cli import main
+from kvgate.eval.intervals import mean_interval, stratified_interval, wilson
+from kvgate.eval.ruler.run import build_items
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "inference"))
+from engine_toys import char_tokenizer
+
+BASE = ["eval", "ruler", "--model", "x", "--tasks", "niah_single_1,vt", "--lengths", "300,360",
+        "--depths", "0,100", "--policies", "full,snapkv", "--budgets", "0.5",
+        "--max-new-tokens", "4", "--no-progress"]
+
+
+@pytest.fixture(scope="module")
+def model():
+    return build(tiny_llama_config(max_position_embeddings=640))
+
+
+@pytest.fixture
+def tiny(monkeypatch, model):
+    monkeypatch.setattr(kvgate.eval.commands, "load_model",
+                        lambda cfg: (model, char_tokenizer(), {"model": "tiny",
+                                                               "checkpoint": None}))
+    return model
+
+
+def cli(capsys, *argv):
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def results(folder):
+    return json.loads((folder / "results.json").read_text())["results"]
+
+
+def test_ruler_end_to_end_resume_and_refusals(capsys, tiny, tmp_path):
+    out = tmp_path / "r"
+    code, _, err = cli(capsys, *BASE, "--limit", "2", "--out", str(out))
+    assert code == 0, err
+    res = results(out)
+    want = {f"ruler|{t}@{n}|{p}|agnostic" for t in ("niah_single_1", "vt") for n in (300, 360)
+            for p in ("full|none", "snapkv|0.5")}
+    assert set(res) == want
+    for key, rec in res.items():
+        assert rec["complete"] and rec["n"] == 2 and rec["mode"] == "agnostic"
+        assert rec["ci_low"] <= rec["acc"] <= rec["ci_high"] and rec["sec_per_example"] > 0
+        assert rec["settings"]["query_aware"] is False and rec["settings"]["depths"] == [0, 100]
+        for uid, ex in rec["examples"].items():
+            assert {"output", "answers", "score", "seconds", "kept", "total"} <= set(ex)
+            assert 0 <= ex["score"] <= 100
+            if "niah" in key:  # example s at depth s mod 2
+                assert ex["depth"] == (0.0 if ":0:" in uid else 100.0)
+    assert res["ruler|vt@300|snapkv|0.5|agnostic"]["evict_pct"] == pytest.approx(50, abs=5)
+    assert res["ruler|vt@300|full|none|agnostic"]["evict_pct"] == 0
+    md = (out / "results.md").read_text()
+    assert "### ruler (average over task families)" in md and "| 300 | snapkv | 0.5 |" in md
+    for png in ("ruler_accuracy_300_agnostic.png", "ruler_niah_snapkv_0.5_agnostic.png"):
+        assert (out / png).read_bytes()[:4] == b"\x89PNG"
+
+    # a larger --limit scores only the missing example; the stored ones stay as they were
+    code, _, err = cli(capsys, *BASE, "--limit", "3", "--out", str(out))
+    assert code == 0, err
+    again = results(out)
+    for key in want:
+        assert again[key]["n"] == 3
+        for uid, ex in res[key]["examples"].items():
+            assert again[key]["examples"][uid] == ex
+
+    # a changed score-changing setting is refused in one line, nothing written
+    before = (out / "results.json").read_text()
+    code, _, err = cli(capsys, *BASE, "--limit", "2", "--seed", "1", "--out", str(out))
+    assert code == 2 and err.count("\n") == 1 and "--seed 0" in err and "--seed 1" in err
+    code, _, err = cli(capsys, *BASE, "--limit", "2", "--depths", "50", "--out", str(out))
+    assert code == 2 and "--depths" in err
+    assert (out / "results.json").read_text() == before
+
+    # query-aware: its own keys beside the agnostic ones; the full cache answers the same
+    code, _, err = cli(capsys, *BASE, "--limit", "2", "--query-aware", "--out", str(out))
+    assert code == 0, err
+    both = results(out)
+    aware = {k.replace("|agnostic", "|query-aware") for k in want}
+    assert set(both) == want | aware
+    for task in ("niah_single_1@300", "vt@360"):
+        a = both[f"ruler|{task}|full|none|agnostic"]["examples"]
+        q = both[f"ruler|{task}|full|none|query-aware"]["examples"]
+        assert [a[u]["output"] for u in q] == [q[u]["output"] for u in q]
+        s_a = both[f"ruler|{task}|snapkv|0.5|agnostic"]["examples"]
+        s_q = both[f"ruler|{task}|snapkv|0.5|query-aware"]["examples"]
+        assert all(s_q[u]["total"] > s_a[u]["total"] for u in s_q)  # the question was held too
+    assert "| query-aware |" in (out / "results.md").read_text()
+
+
+def test_lengths_past_the_model_and_bad_tasks_are_refused(capsys, tiny, tmp_path):
+    code, _, err = cli(capsys, *BASE, "--lengths", "600", "--out", str(tmp_path / "a"))
+    assert code == 2 and err.count("\n") == 1
+    assert "ruler niah_single_1 at length 600" in err and "use --lengths of at most" in err
+    assert not (tmp_path / "a" / "results.json").exists()
+    code, _, err = cli(capsys, *BASE, "--tasks", "niah_single_9", "--out", str(tmp_path / "b"))
+    assert code == 2 and "unknown RULER task 'niah_single_9'" in err
+
+
+def test_items_cycle_depths_and_match_the_engine_split():
+    tok = char_tokenizer()
+    items = build_items(tok, "niah_single_1", 300, [0, 50, 100], 4)
+    assert [it.depth for it in items] == [0.0, 50.0, 100.0, 0.0]
+    # plain prompts: the context as Engine.compress encodes it (specials included), then the
+    # question part as Engine.answer does
+    assert all(it.n_ctx == len(tok(it.example.context)["input_ids"]) for it in items)
+    assert all(300 <= it.n_ctx <= 301 for it in items)
+    assert [it.depth for it in build_items(tok, "vt", 300, [0, 50], 2)] == [None, None]
+
+
+def test_intervals():
+    lo, hi = wilson(5, 10)
+    assert lo < 50 < hi and 0 <= lo and hi <= 100
+    assert wilson(10, 10)[1] == pytest.approx(100.0)
+    assert mean_interval([0.0, 100.0, 100.0]) == wilson(2, 3)
+    lo, hi = mean_interval([50.0, 75.0, 100.0, 25.0])
+    assert 25.0 <= lo <= 62.5 <= hi <= 100.0
+    lo, hi = stratified_interval([[100.0, 100.0], [0.0, 0.0]])
+    assert lo == hi == 50.0
