@@ -269,7 +269,8 @@ def gated_attention(q: Tensor, k: Tensor, v: Tensor, gate: Tensor, allowed: Tens
 def gated_attention_reference(q: Tensor, k: Tensor, v: Tensor, gate: Tensor,
                               allowed: Tensor | None = None, scaling: float | None = None,
                               recent: int = 0, prompt: Tensor | None = None) -> Tensor:
-    """Materialised multiplicative gated softmax (the spec's formula); slow, for tests.
+    """Materialised multiplicative gated softmax (eq. 5 of the Attention-Gate paper, gates as
+    weights); slow, for tests.
 
     Differentiable in a *continuous* gate too, which is what finite-difference checks need.
     """

@@ -1,9 +1,11 @@
 """Evaluation harness: accuracy against eviction for every policy, long context, perplexity.
 
 - :mod:`.multiple_choice`: zero- or k-shot multiple choice in ``masked`` or ``cache`` mode, fixed
-  or matched budgets, %Evict as spec 12.3 (iv);
+  or matched budgets, %Evict as the Attention-Gate paper defines it;
 - :mod:`.masked`: the masked-mode attention (keep decisions applied as masks, one forward);
 - :mod:`.needle`: passkey retrieval (length x depth) and perplexity under eviction;
+- :mod:`.ruler`: RULER-style task families (generators, scoring, ``evaluate_ruler``, tables);
+- :mod:`.intervals`: 95% intervals (Wilson, bootstrap) of mean scores;
 - :mod:`.report`: resumable results JSON, markdown table, plots;
 - :mod:`.identity`: what a stored result is checked against before it is reused (the model,
   every score-changing setting, each example's tokens);
@@ -14,7 +16,7 @@
 
 Plain perplexity of a model (no eviction) lives in :mod:`kvgate.models.perplexity`.
 
-Command line: ``kvgate eval {mc,matched,needle,ppl,pattern,report} ...`` (or
+Command line: ``kvgate eval {mc,matched,needle,ppl,ruler,pattern,report} ...`` (or
 ``python -m kvgate.eval ...``).
 
 Names are imported on first use.
@@ -38,6 +40,7 @@ _EXPORTS = {
     "write_outputs": "report",
     "MCConfig": "config", "MatchedConfig": "config", "NeedleConfig": "config",
     "PPLConfig": "config", "PatternConfig": "config", "ReportConfig": "config",
+    "RulerConfig": "config", "run_ruler": "commands", "evaluate_ruler": "ruler.run",
     "EvalOutput": "commands", "run_eval": "commands", "run_matched": "commands",
     "run_mc": "commands", "run_needle": "commands", "run_pattern": "commands",
     "run_ppl": "commands", "run_report": "commands",

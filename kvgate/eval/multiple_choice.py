@@ -14,7 +14,7 @@ Modes:
   and every choice is a continuation over it. The cache serves one batch, so each choice gets
   its own row with the context repeated (the policy sees identical rows and keeps the same).
 
-%Evict (spec 12.3 iv): ``100 x mean over examples of evicted / (L x H_kv x n_ctx)``, counted over
+%Evict (the Attention-Gate paper's definition): ``100 x mean over examples of evicted / (L x H_kv x n_ctx)``, counted over
 every (layer, KV head, real context token); the token-weighted mean is reported next to it.
 
 Matched budgets: the reference policy (the learned gate) runs first; every heuristic then

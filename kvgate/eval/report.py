@@ -330,7 +330,6 @@ def plot_needle_heatmaps(results: Sequence[dict[str, Any]], out_dir: str | Path)
         groups[(r["policy"], r["budget"], r["mode"])].append(r)
     if not groups:
         return []
-    plt = _pyplot()
     paths = []
     for (policy, budget, mode), rows in sorted(groups.items()):
         lengths = sorted({int(r["length"]) for r in rows})
@@ -338,20 +337,28 @@ def plot_needle_heatmaps(results: Sequence[dict[str, Any]], out_dir: str | Path)
         grid = [[math.nan] * len(depths) for _ in lengths]
         for r in rows:
             grid[lengths.index(int(r["length"]))][depths.index(float(r["depth"]))] = r["acc"]
-        fig, ax = plt.subplots(figsize=(1.0 + 0.7 * len(depths), 1.2 + 0.5 * len(lengths)))
-        im = ax.imshow(grid, vmin=0, vmax=100, cmap="RdYlGn", aspect="auto", origin="lower")
-        ax.set_xticks(range(len(depths)), [f"{d:g}" for d in depths])
-        ax.set_yticks(range(len(lengths)), [str(n) for n in lengths])
-        ax.set_xlabel("needle depth %")
-        ax.set_ylabel("context tokens")
-        ax.set_title(f"{policy} ({budget}, {mode})", fontsize=9)
-        fig.colorbar(im, ax=ax, label="accuracy %")
-        fig.tight_layout()
         path = Path(out_dir) / f"needle_{policy}_{budget}_{mode}.png".replace("/", "_")
-        fig.savefig(path, dpi=120)
-        plt.close(fig)
-        paths.append(path)
+        paths.append(depth_heatmap(grid, lengths, depths, f"{policy} ({budget}, {mode})",
+                                   "accuracy %", path))
     return paths
+
+
+def depth_heatmap(grid: list[list[float]], lengths: list[int], depths: list[float], title: str,
+                  label: str, path: Path) -> Path:
+    """A context length x needle depth heatmap of 0-100 scores (NaN: not run), saved to path."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(1.0 + 0.7 * len(depths), 1.2 + 0.5 * len(lengths)))
+    im = ax.imshow(grid, vmin=0, vmax=100, cmap="RdYlGn", aspect="auto", origin="lower")
+    ax.set_xticks(range(len(depths)), [f"{d:g}" for d in depths])
+    ax.set_yticks(range(len(lengths)), [str(n) for n in lengths])
+    ax.set_xlabel("needle depth %")
+    ax.set_ylabel("context tokens")
+    ax.set_title(title, fontsize=9)
+    fig.colorbar(im, ax=ax, label=label)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
 
 
 def plot_eviction_pattern(keep: Any, path: str | Path, title: str = "",

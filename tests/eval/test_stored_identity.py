@@ -215,3 +215,26 @@ def test_weights_fingerprint_follows_a_local_folder(tmp_path):
     (tmp_path / "model.safetensors").write_bytes(b"x" * 11)
     assert weights_fingerprint(str(tmp_path)) != first
     assert weights_fingerprint("some-org/some-model") is None
+
+
+def test_old_needle_records_read_as_query_aware(capsys, tiny, tmp_path):
+    """Needle records from before the question-agnostic default compressed the question: they
+    stay under their keys (``rank-masked``), a --query-aware run resumes them, and the default
+    run scores its own ``-agnostic`` keys beside them."""
+    argv = [*NEEDLE, "--model", "x", "--out", str(tmp_path), "--text-files", texts(tmp_path),
+            "--no-progress"]
+    assert cli(capsys, *argv, "--query-aware")[0] == 0
+    data = stored(tmp_path)  # as stored before query_aware was a setting
+    for record in data["results"].values():
+        del record["settings"]["query_aware"]
+    (tmp_path / "results.json").write_text(json.dumps(data))
+    old = stored(tmp_path)["results"]
+    assert list(old) == ["needle|200@50|full|none|rank-masked"]
+    before = (tmp_path / "results.json").read_text()
+    code, _, err = cli(capsys, *argv, "--query-aware")  # LEGACY query_aware: resumed as is
+    assert code == 0, err
+    assert (tmp_path / "results.json").read_text() == before
+    code, _, err = cli(capsys, *argv)
+    assert code == 0, err
+    assert sorted(stored(tmp_path)["results"]) == ["needle|200@50|full|none|rank-masked",
+                                                   "needle|200@50|full|none|rank-masked-agnostic"]

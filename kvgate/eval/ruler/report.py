@@ -112,7 +112,7 @@ def plot_ruler_accuracy(results: Sequence[Row], out_dir: str | Path) -> list[Pat
 def plot_ruler_heatmaps(results: Sequence[Row], out_dir: str | Path) -> list[Path]:
     """One heatmap (context length x needle depth -> score, over the needle families' examples)
     per (policy, budget, mode)."""
-    from kvgate.eval.report import _pyplot
+    from kvgate.eval.report import depth_heatmap
     from kvgate.eval.ruler.run import NEEDLE_FAMILIES
 
     rows = [r for r in _ruler(results) if r["family"] in NEEDLE_FAMILIES]
@@ -126,7 +126,6 @@ def plot_ruler_heatmaps(results: Sequence[Row], out_dir: str | Path) -> list[Pat
                     float(e["score"]))
     if not cells:
         return []
-    plt = _pyplot()
     paths = []
     for (policy, budget, mode), grid_cells in sorted(cells.items()):
         lengths = sorted({k[0] for k in grid_cells})
@@ -134,17 +133,7 @@ def plot_ruler_heatmaps(results: Sequence[Row], out_dir: str | Path) -> list[Pat
         grid = [[math.nan] * len(depths) for _ in lengths]
         for (length, depth), scores in grid_cells.items():
             grid[lengths.index(length)][depths.index(depth)] = sum(scores) / len(scores)
-        fig, ax = plt.subplots(figsize=(1.0 + 0.7 * len(depths), 1.2 + 0.5 * len(lengths)))
-        im = ax.imshow(grid, vmin=0, vmax=100, cmap="RdYlGn", aspect="auto", origin="lower")
-        ax.set_xticks(range(len(depths)), [f"{d:g}" for d in depths])
-        ax.set_yticks(range(len(lengths)), [str(n) for n in lengths])
-        ax.set_xlabel("needle depth %")
-        ax.set_ylabel("context tokens")
-        ax.set_title(f"ruler niah: {policy} ({budget}, {mode})", fontsize=9)
-        fig.colorbar(im, ax=ax, label="score %")
-        fig.tight_layout()
         path = Path(out_dir) / f"ruler_niah_{policy}_{budget}_{mode}.png".replace("/", "_")
-        fig.savefig(path, dpi=120)
-        plt.close(fig)
-        paths.append(path)
+        paths.append(depth_heatmap(grid, lengths, depths,
+                                   f"ruler niah: {policy} ({budget}, {mode})", "score %", path))
     return paths
