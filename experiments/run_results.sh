@@ -248,20 +248,21 @@ case "${1:-all}" in
     kvgate eval ppl --model smollm2-135m --policies full "${win[@]}" --out "$out/heuristics"
     kvgate eval ppl --model smollm2-135m --policies h2o,snapkv,streaming,random \
       --budgets "$budgets" "${win[@]}" --out "$out/heuristics" ;;
-  needle) # passkey retrieval by length and depth (rank scoring): base model 1k-8k, then a gate
+  needle) # passkey retrieval by length and depth (rank scoring, the question inside the
+    # compressed prompt as when these were measured: --query-aware): base model 1k-8k, a gate
     kvgate eval needle --model smollm2-135m --lengths 1024,2048 --depths 0,50,100 \
-      --samples 2 --policies full,streaming,h2o,snapkv,tova --budgets 0.25 --scoring rank \
+      --samples 2 --policies full,streaming,h2o,snapkv,tova --budgets 0.25 --scoring rank --query-aware \
       --no-progress --out $R/needle
     kvgate eval needle --model smollm2-135m --lengths 4096,8192 --depths 0,50,100 \
-      --samples 1 --policies full,h2o,streaming,snapkv --budgets 0.25 --scoring rank \
+      --samples 1 --policies full,h2o,streaming,snapkv --budgets 0.25 --scoring rank --query-aware \
       --no-progress --out $R/needle_long
     # the 1,024-token-trained gate next to H2O / StreamingLLM (train it with the ablation step)
     g=runs/abl_distill_protected_long/gated
     kvgate eval needle --checkpoint $g --lengths 1024,2048 --depths 0,50,100 --samples 2 \
-      --policies attention_gate,h2o,streaming --budgets 0.4 --scoring rank --no-progress \
+      --policies attention_gate,h2o,streaming --budgets 0.4 --scoring rank --query-aware --no-progress \
       --out $R/needle_gate
     kvgate eval needle --checkpoint $g --lengths 4096 --depths 0,50,100 --samples 1 \
-      --policies attention_gate,h2o,streaming --budgets 0.4 --scoring rank --no-progress \
+      --policies attention_gate,h2o,streaming --budgets 0.4 --scoring rank --query-aware --no-progress \
       --out $R/needle_gate ;;
   mcshort) # a one-shot gate sized for the short MC contexts, then the 7 tasks at ~42% eviction
     variant abl_mc_short --config cpt_recipe --config $C/mc_short.yaml
