@@ -246,7 +246,7 @@ def run_ruler(cfg: RulerConfig, load: Loader | None = None) -> EvalOutput:
     evaluate_ruler(model, tokenizer, cfg.tasks, cfg.lengths, policies, cfg.budgets, store,
                    depths=cfg.depths, limit=cfg.limit, query_aware=cfg.query_aware,
                    chat=cfg.chat, seed=cfg.seed, max_new_tokens=cfg.max_new_tokens,
-                   progress=cfg.progress)
+                   progress=cfg.progress, source=cfg.source)
     return _finish(store)
 
 

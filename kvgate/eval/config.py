@@ -373,6 +373,7 @@ class RulerConfig(EvalConfig):
     chat: bool = True                   # --no-chat: plain prompts on a model with a template
     seed: int = 0
     max_new_tokens: int | None = None   # caps RULER's tokens to generate per family
+    source: str = "generated"           # or "hub" (kvpress's RULER) or a save_to_disk folder
 
     def __post_init__(self) -> None:
         from kvgate.eval.ruler.tasks import TASKS
@@ -399,4 +400,4 @@ class RulerConfig(EvalConfig):
         # --limit only selects (example s is the same at any limit); the mode is in the key
         return {**super().settings(), "seed": self.seed, "depths": self.depths,
                 "chat": bool(self.chat), "max_new_tokens": self.max_new_tokens,
-                "query_aware": bool(self.query_aware)}
+                "query_aware": bool(self.query_aware), "source": self.source}

@@ -189,6 +189,8 @@ def add_commands(p: argparse.ArgumentParser) -> None:
                                         "(default 0,25,50,75,100; example s at depth s mod n)")
     ruler.add_argument("--limit", type=int, help="examples per (task, length) (default 5)")
     ruler.add_argument("--seed", type=int)
+    ruler.add_argument("--source", help="generated (default: offline, exact lengths), hub "
+                       "(kvpress's RULER, lengths 4096-131072) or a save_to_disk folder of it")
     ruler.add_argument("--max-new-tokens", type=int,
                        help="cap on RULER's tokens to generate per family (niah 128, vt 30, "
                             "cwe 120, fwe 50, qa 32)")

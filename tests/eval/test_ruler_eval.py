@@ -132,3 +132,37 @@ def test_intervals():
     assert 25.0 <= lo <= 62.5 <= hi <= 100.0
     lo, hi = stratified_interval([[100.0, 100.0], [0.0, 0.0]])
     assert lo == hi == 50.0
+
+
+def test_ruler_from_a_local_copy_of_kvpress_ruler(capsys, tiny, tmp_path):
+    """``--source PATH``: kvpress's RULER layout (a save_to_disk folder per length) is scored
+    the same way; the examples' own tokens to generate are used, capped by --max-new-tokens."""
+    from datasets import Dataset
+
+    rows = {"context": ["The magic number is 7261. " + "Grass is green. " * 8,
+                        "Filler text here. " * 6 + "VAR X = 42. "],
+            "question": ["What is the magic number?", "Which variable is 42?"],
+            "answer_prefix": ["Answer:", "Answer:"],
+            "answer": [["7261"], ["X"]],
+            "task": ["niah_single_1", "vt"],
+            "max_new_tokens": [3, 2]}
+    Dataset.from_dict(rows).save_to_disk(str(tmp_path / "ruler" / "4096"))
+    out = tmp_path / "r"
+    code, _, err = cli(capsys, "eval", "ruler", "--model", "x", "--tasks", "niah_single_1,vt",
+                       "--lengths", "4096", "--policies", "full,snapkv", "--budgets", "0.5",
+                       "--source", str(tmp_path / "ruler"), "--no-progress", "--out", str(out))
+    assert code == 0, err
+    res = results(out)
+    assert set(res) == {f"ruler|{t}@4096|{p}|agnostic" for t in ("niah_single_1", "vt")
+                        for p in ("full|none", "snapkv|0.5")}
+    rec = res["ruler|niah_single_1@4096|full|none|agnostic"]
+    assert rec["n"] == 1 and rec["settings"]["source"] == str(tmp_path / "ruler")
+    [ex] = rec["examples"].values()
+    assert ex["answers"] == ["7261"] and ex["depth"] is None
+    # another copy into the same folder is another setting: refused in one line
+    Dataset.from_dict(rows).save_to_disk(str(tmp_path / "other" / "4096"))
+    code, _, err = cli(capsys, "eval", "ruler", "--model", "x", "--tasks", "vt", "--lengths",
+                       "4096", "--policies", "full", "--source", str(tmp_path / "other"),
+                       "--no-progress", "--out", str(out))
+    last = err.strip().splitlines()[-1]  # after datasets' own progress bars
+    assert code == 2 and last.startswith("error: ") and "--source" in last

@@ -73,17 +73,36 @@ def prompt_ids(tokenizer: Any, example: RulerExample, chat: bool) -> tuple[list[
     return list(ctx_ids), list(tokenizer(question, add_special_tokens=False)["input_ids"])
 
 
+def _examples(task: str, tokenizer: Any, length: int, depths: Sequence[float], limit: int,
+              seed: int, source: str) -> list[tuple[str, RulerExample, float | None, int | None]]:
+    """(uid suffix, example, depth asked, tokens to generate or None) of (task, length):
+    generated here (``source="generated"``), or read from kvpress's RULER (``"hub"`` or a
+    ``save_to_disk`` folder of it, where the length is the dataset's and depths are its own)."""
+    if source == "generated":
+        out = []
+        for s in range(limit):
+            depth = float(depths[s % len(depths)]) if task in NIAH else None
+            ex = generate(task, tokenizer, length, None if depth is None else depth / 100.0,
+                          seed=seed + s)
+            out.append((f"{s}" + ("" if depth is None else f":d{depth:g}"), ex, depth, None))
+        return out
+    from kvgate.data.longctx import load_ruler
+
+    return [(f"{x.id}", RulerExample(task, x.context, x.question, x.answer_prefix,
+                                     list(x.answers), length), None, x.max_new_tokens)
+            for x in load_ruler(length, tasks=[task], source=source, limit=limit)]
+
+
 def build_items(tokenizer: Any, task: str, length: int, depths: Sequence[float], limit: int,
                 seed: int = 0, chat: bool = True, max_new_cap: int | None = None,
-                model_limit: int | None = None) -> list[RulerItem]:
+                model_limit: int | None = None, source: str = "generated") -> list[RulerItem]:
     """The ``limit`` examples of (task, length); ``InputTooLongError`` when a prompt and its
     answer tokens overrun ``model_limit``."""
     items = []
-    new = task_max_new_tokens(task, max_new_cap)
-    for s in range(limit):
-        depth = float(depths[s % len(depths)]) if task in NIAH else None
-        ex = generate(task, tokenizer, length, None if depth is None else depth / 100.0,
-                      seed=seed + s)
+    for suffix, ex, depth, own_new in _examples(task, tokenizer, length, depths, limit, seed,
+                                                source):
+        new = task_max_new_tokens(task, max_new_cap) if own_new is None else (
+            own_new if max_new_cap is None else min(own_new, max_new_cap))
         ctx, question = prompt_ids(tokenizer, ex, chat)
         total = len(ctx) + len(question) + new
         if model_limit is not None and total > model_limit:
@@ -92,7 +111,7 @@ def build_items(tokenizer: Any, task: str, length: int, depths: Sequence[float],
                 f" tokens + {new} new tokens = {total:,}; the model takes at most "
                 f"{model_limit:,} (max_position_embeddings): use --lengths of at most "
                 f"{max(0, length - (total - model_limit)):,}")
-        uid = f"{task}@{length}:{s}" + ("" if depth is None else f":d{depth:g}")
+        uid = f"{task}@{length}:{suffix}"
         items.append(RulerItem(uid, ex, tuple(ctx + question), len(ctx), depth, new))
     return items
 
@@ -150,7 +169,8 @@ def evaluate_ruler(model: nn.Module, tokenizer: Any, tasks: Sequence[str],
                    budgets: Sequence[Budget], store: ResultStore, *,
                    depths: Sequence[float] = (0, 25, 50, 75, 100), limit: int = 5,
                    query_aware: bool = False, chat: bool = True, seed: int = 0,
-                   max_new_tokens: int | None = None, progress: bool = True) -> list[str]:
+                   max_new_tokens: int | None = None, progress: bool = True,
+                   source: str = "generated") -> list[str]:
     """Score every (task, length, policy, budget); returns the result keys. Every cell is
     built (and checked to fit the model) before anything is scored."""
     for task in tasks:
@@ -162,7 +182,7 @@ def evaluate_ruler(model: nn.Module, tokenizer: Any, tasks: Sequence[str],
         tokenizer.pad_token = tokenizer.eos_token
     model_limit = context_limit(model.config)
     cells = [(task, int(length), build_items(tokenizer, task, int(length), depths, limit, seed,
-                                             chat, max_new_tokens, model_limit))
+                                             chat, max_new_tokens, model_limit, source))
              for length in lengths for task in tasks]
     mode = MODES[1] if query_aware else MODES[0]
     keys = []
