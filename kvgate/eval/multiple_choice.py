@@ -53,6 +53,7 @@ from kvgate.eval.masked import (
 )
 from kvgate.eval.report import ResultStore, budget_label, make_key
 from kvgate.inference import Engine
+from kvgate.inference.decode import left_padded_positions
 from kvgate.models.limits import InputTooLongError, context_limit
 from kvgate.policies.base import Budget, Policy
 from kvgate.policies.registry import policy_spec
@@ -127,7 +128,7 @@ def score_continuations(model: nn.Module, cache: Any, contexts: Sequence[Sequenc
     ctx_ids, ctx_mask = left_pad(contexts, pad)
     cont_ids, cont_mask = right_pad(continuations, pad)
     n_real = ctx_mask.sum(-1)
-    ctx_pos = (ctx_mask.cumsum(-1) - 1).clamp(min=0)
+    ctx_pos = left_padded_positions(ctx_mask)
     cont_pos = n_real[:, None] + torch.arange(cont_ids.shape[1])
     # the prefill keeps only the last logits: the first continuation token's prediction
     first = model(input_ids=ctx_ids.to(device), attention_mask=ctx_mask.to(device),

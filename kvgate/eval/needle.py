@@ -50,6 +50,7 @@ from kvgate.eval.multiple_choice import (
 )
 from kvgate.eval.report import ResultStore, budget_label, make_key
 from kvgate.inference import Engine
+from kvgate.inference.decode import left_padded_positions
 from kvgate.models.limits import InputTooLongError, context_limit
 from kvgate.policies.base import Budget, Policy
 
@@ -186,7 +187,7 @@ def generate_greedy(model: nn.Module, prompts: Sequence[Sequence[int]], policy: 
     ids, mask = left_pad(prompts, pad)
     n_real = mask.sum(-1)
     cache = Engine(model, None, policy, budget).new_cache()
-    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    pos = left_padded_positions(mask)
     logits = model(input_ids=ids.to(device), attention_mask=mask.to(device),
                    position_ids=pos.to(device), past_key_values=cache, use_cache=True,
                    logits_to_keep=1).logits[:, -1]

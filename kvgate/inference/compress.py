@@ -27,7 +27,7 @@ from torch import Tensor
 from kvgate.attention.masks import left_pad
 from kvgate.cache import CompressedCache
 from kvgate.cache.fork import fork_cache, grow_capacity
-from kvgate.inference.decode import decode, until_eos
+from kvgate.inference.decode import decode, left_padded_positions, sync_device, until_eos
 from kvgate.models.limits import InputTooLongError, context_limit, fit_to_context
 from kvgate.policies.base import PolicyError
 
@@ -117,11 +117,11 @@ def compress(engine: Any, contexts: str | list[str], chat: bool = True) -> Compr
     device = engine.device
     ids, mask = ids.to(device), mask.to(device)
     cache = engine.new_cache()
-    _sync(device)
+    sync_device(device)
     t0 = time.perf_counter()
-    engine.model(input_ids=ids, attention_mask=mask, position_ids=_positions(mask),
+    engine.model(input_ids=ids, attention_mask=mask, position_ids=left_padded_positions(mask),
                  past_key_values=cache, use_cache=True, logits_to_keep=1)
-    _sync(device)
+    sync_device(device)
     ms = 1000.0 * (time.perf_counter() - t0)
     return CompressedContext(cache, ids, mask, chat, tail, contexts, cache.kept_fraction(),
                              cache.kept_fractions(), cache.bytes_held(), cache.full_bytes(), ms)
@@ -214,15 +214,6 @@ def _check_fits(engine: Any, compressed: CompressedContext, rows: list[list[int]
             raise InputTooLongError(
                 f"context {i} ({n_ctx:,} tokens) + question ({len(row):,}) + {max_new_tokens} "
                 f"new tokens = {total:,}; the model takes at most {limit:,}")
-
-
-def _positions(mask: Tensor) -> Tensor:
-    return (mask.long().cumsum(-1) - 1).clamp(min=0)
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def run_cli(engine: Any, args: Any) -> int:

@@ -1,4 +1,5 @@
-"""Token-by-token decoding over a cache after a prefill (shared by generation and answering)."""
+"""Token-by-token decoding over a cache after a prefill, and the small helpers generation and
+answering share (positions of a left-padded batch, device sync for timings)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,17 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+
+
+def sync_device(device: torch.device) -> None:
+    """Wait for queued kernels, so a wall-clock reading covers them (a no-op on the CPU)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def left_padded_positions(mask: Tensor) -> Tensor:
+    """RoPE positions of a left-padded batch: real tokens count from 0 (pads get 0)."""
+    return (mask.long().cumsum(-1) - 1).clamp(min=0)
 
 
 def decode(model: nn.Module, out: Any, mask: Tensor, next_pos: Tensor, cache: Any,

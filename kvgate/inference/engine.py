@@ -19,7 +19,7 @@ from kvgate.cache import CompressedCache
 from kvgate.inference.compress import CompressedContext
 from kvgate.inference.compress import answer as answer_questions
 from kvgate.inference.compress import compress as compress_contexts
-from kvgate.inference.decode import decode, until_eos
+from kvgate.inference.decode import decode, left_padded_positions, sync_device, until_eos
 from kvgate.models import dispatch
 from kvgate.models.limits import context_limit, fit_to_context, quiet_length_warning
 from kvgate.policies.base import Budget, Policy, PolicyError
@@ -75,12 +75,6 @@ class GenerationResult:
     token_ids: list[list[int]]  # generated ids per prompt, up to and including EOS
     stats: GenerationStats
     prompt_ids: list[list[int]] = field(default_factory=list)
-
-
-def sync_device(device: torch.device) -> None:
-    """Wait for queued kernels, so a wall-clock reading covers them (a no-op on the CPU)."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 class Engine:
@@ -141,7 +135,7 @@ class Engine:
         attention_mask = attention_mask.to(self.device)
         cache = self.new_cache()
         out = self.model(input_ids=input_ids, attention_mask=attention_mask,
-                         position_ids=_positions(attention_mask), past_key_values=cache,
+                         position_ids=left_padded_positions(attention_mask), past_key_values=cache,
                          use_cache=True)
         return out.logits, cache
 
@@ -179,7 +173,7 @@ class Engine:
         device = self.device
         sync_device(device)
         t0 = time.perf_counter()
-        positions = _positions(mask)
+        positions = left_padded_positions(mask)
         out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions,
                          past_key_values=cache, use_cache=True, logits_to_keep=1)
         sync_device(device)
@@ -225,8 +219,3 @@ class Engine:
                max_new_tokens: int = 32, answer_prefix: str | None = None) -> list[str]:
         """Answer each question over its own fork of ``compressed`` (greedy)."""
         return answer_questions(self, compressed, questions, max_new_tokens, answer_prefix)
-
-
-def _positions(mask: Tensor) -> Tensor:
-    """RoPE positions of a left-padded batch: real tokens count from 0 (pads get 0)."""
-    return (mask.long().cumsum(-1) - 1).clamp(min=0)
