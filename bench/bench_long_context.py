@@ -17,8 +17,8 @@ depend on the gate's weights, only on how much it evicts (the ``kept`` column: a
 keeps nearly everything, so its answer time is the full cache's, not a trained gate's).
 
 ``--profile``: the gated prefill at the largest length, once more, under a timer split (the
-gate's own attention over the prefix, the mask ``prompt_allowed`` materialises, the eq.-5 masked
-prefill attention ``keep_masked_attention``, the compaction of the cache, the rest of the model)
+gate's own attention over the prefix, the eq.-5 masked prefill attention ``eq5_attention``
+(blocked for causal + padding masks), the compaction of the cache, the rest of the model)
 and ``torch.profiler``'s top ops by self CPU time. Not a test.
 """
 
@@ -164,8 +164,7 @@ def profile_gated_prefill(args, gated, tok) -> dict:
     engine.compress([ex.context])  # warm-up
     split = _Split()
     split.wrap(ag_mod, "compute_gate", "gate attention (compute_gate)")
-    split.wrap(compressed_mod, "prompt_allowed", "mask prompt_allowed [B,n,n]")
-    split.wrap(compressed_mod, "keep_masked_attention", "eq.5 keep_masked_attention")
+    split.wrap(compressed_mod, "eq5_attention", "eq.5 eq5_attention")
     split.wrap(RaggedStore, "append", "cache append")
     split.wrap(RaggedStore, "rebuild", "cache compaction (rebuild)")
     try:

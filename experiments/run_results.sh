@@ -477,5 +477,29 @@ case "${1:-all}" in
     kvgate eval mc "${mc[@]}" --budgets 0.3 --out $R/mc_headroom_c
     python experiments/summarize_mc.py $R/mc_headroom_a $R/mc_headroom_b \
       $R/mc_headroom_c $R/mc_headroom_r3 $R/mc_short_full --paired full --any-mode ;;
-  *) echo "usage: $0 base|cpt|sft|gate CKPT OUT|sfteval|ppl CKPT OUT BUDGETS|ablation|pplctx CTX CONT WINDOWS OUT GATE...|needle|mcshort|mctasks|mctasksall|mctaskslora|mctasksseed1|mctasksbidir|mctasksb22|mctasks3shot|mctasksranked|mcselect NAME OUT HEUR...|mcfewshot NAME K LIMIT [TASKS]|pplseed SEED|ctx256seed SEED|curve256 PART|ctx256b25 SEED|ctx256b15 SEED|ctx256b05 SEED|ctx256band32 SEED|curve256b25 SEED...|curve256b15 SEED...|curve256band32 SEED...|curve256band32low SEED...|curve256band32mid SEED...|ctx1024band64 SEED|ctx1024band64more SEED|select CONTEXT SELECTOR[:TAU] NAME...|ranked CONTEXT NAME...|h2or32|headroom" >&2; exit 2 ;;
+  ruler)  # PART: issue #34's long-context table (docs/RESULTS.md section 3), the question
+    # asked after compression; four RULER families where SmolLM2's full cache scores >= 30% at
+    # 1k, 3 examples per (family, length), answers capped at 32 tokens. Parts a (heuristics) and
+    # b (gates) run side by side, one thread each; `b` trains both gates first if missing.
+    rl=(--tasks niah_single_1,niah_single_2,niah_multikey_1,qa_1 --lengths 1024,2048,4096
+        --limit 3 --max-new-tokens 32 --no-progress)
+    case "$2" in
+      a) kvgate eval ruler --model smollm2-135m "${rl[@]}" --budgets 0.5 \
+           --policies full,snapkv,h2o,tova,streaming,knorm,pyramidkv,adakv,random --out $R/ruler/heuristics
+         kvgate eval ruler --model smollm2-135m "${rl[@]}" --budgets 0.5 --query-aware \
+           --policies snapkv --out $R/ruler/heuristics
+         kvgate eval ruler --model smollm2-135m "${rl[@]}" --budgets 0.25,0.75 \
+           --policies snapkv,h2o,streaming --out $R/ruler/heuristics
+         kvgate eval ruler --model smollm2-135m "${rl[@]}" --budgets 0.5 \
+           --policies nacl,ahakv,window,roco --out $R/ruler/heuristics ;;
+      b) for g in cpt_long cpt_recipe; do
+           [ -f runs/$g/gated/kvgate_config.json ] || kvgate train --config $g
+           kvgate eval ruler --checkpoint runs/$g/gated "${rl[@]}" --budgets 0.25,0.5,0.75 \
+             --policies attention_gate,gate_rank=gate_hybrid --policy-opt gate_rank.rank=true \
+             --out $R/ruler/$g
+         done ;;
+    esac
+    python experiments/summarize_ruler.py $R/ruler/heuristics cpt_long=$R/ruler/cpt_long \
+      cpt_recipe=$R/ruler/cpt_recipe --tasks niah_single_1,niah_single_2,niah_multikey_1,qa_1 ;;
+  *) echo "usage: $0 base|cpt|sft|gate CKPT OUT|sfteval|ppl CKPT OUT BUDGETS|ablation|pplctx CTX CONT WINDOWS OUT GATE...|needle|mcshort|mctasks|mctasksall|mctaskslora|mctasksseed1|mctasksbidir|mctasksb22|mctasks3shot|mctasksranked|mcselect NAME OUT HEUR...|mcfewshot NAME K LIMIT [TASKS]|pplseed SEED|ctx256seed SEED|curve256 PART|ctx256b25 SEED|ctx256b15 SEED|ctx256b05 SEED|ctx256band32 SEED|curve256b25 SEED...|curve256b15 SEED...|curve256band32 SEED...|curve256band32low SEED...|curve256band32mid SEED...|ctx1024band64 SEED|ctx1024band64more SEED|select CONTEXT SELECTOR[:TAU] NAME...|ranked CONTEXT NAME...|h2or32|headroom|ruler PART" >&2; exit 2 ;;
 esac

@@ -33,12 +33,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from kvgate.attention.decode import KVPart, multipart_attention
 from kvgate.cache.errors import CacheError
-from kvgate.cache.prefill import (
-    keep_masked_attention,
-    new_token_validity,
-    positions_after,
-    prompt_allowed,
-)
+from kvgate.cache.prefill import eq5_attention, new_token_validity, positions_after
 from kvgate.cache.ragged import RaggedStore
 from kvgate.models.dispatch import AttentionHandler, ForwardContext, install
 from kvgate.policies.contract import (
@@ -280,9 +275,7 @@ class CompressedCache(Cache, AttentionHandler):
             keep = self._keep(prompt)
             band = prefill_band(self.policy)  # read after keep(): the gate decides per model
             if band is not None:
-                allowed = prompt_allowed(mask, b, n, window, query.device)
-                out = keep_masked_attention(query, key, value, allowed, keep, scaling,
-                                            recent=band)
+                out = eq5_attention(query, key, value, mask, valid, keep, scaling, band, window)
             else:
                 out, _ = sdpa_attention_forward(module, query, key, value, mask, scaling=scaling,
                                                 dropout=0.0, **kwargs)

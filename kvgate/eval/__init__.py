@@ -5,18 +5,21 @@
 - :mod:`.masked`: the masked-mode attention (keep decisions applied as masks, one forward);
 - :mod:`.needle`: passkey retrieval (length x depth) and perplexity under eviction;
 - :mod:`.ruler`: RULER-style task families (generators, scoring, ``evaluate_ruler``, tables);
+- :mod:`.longbench`: LongBench's tasks and metrics under eviction (``evaluate_longbench``);
+- :mod:`.asked`: one example asked after compression, or with its question compressed too;
 - :mod:`.intervals`: 95% intervals (Wilson, bootstrap) of mean scores;
 - :mod:`.report`: resumable results JSON, markdown table, plots;
 - :mod:`.identity`: what a stored result is checked against before it is reused (the model,
   every score-changing setting, each example's tokens);
 - :mod:`.config`: one typed config per command (``MCConfig``, ``MatchedConfig``,
-  ``NeedleConfig``, ``PPLConfig``, ``PatternConfig``, ``ReportConfig``), checked on creation;
+  ``NeedleConfig``, ``PPLConfig``, ``RulerConfig``, ``LongBenchConfig``, ``PatternConfig``,
+  ``ReportConfig``), checked on creation;
 - :mod:`.commands`: each command as a function of its config (``run_mc(cfg)``, ...);
 - :mod:`.flags`: their command-line flags.
 
 Plain perplexity of a model (no eviction) lives in :mod:`kvgate.models.perplexity`.
 
-Command line: ``kvgate eval {mc,matched,needle,ppl,ruler,pattern,report} ...`` (or
+Command line: ``kvgate eval {mc,matched,needle,ppl,ruler,longbench,pattern,report} ...`` (or
 ``python -m kvgate.eval ...``).
 
 Names are imported on first use.
@@ -41,6 +44,8 @@ _EXPORTS = {
     "MCConfig": "config", "MatchedConfig": "config", "NeedleConfig": "config",
     "PPLConfig": "config", "PatternConfig": "config", "ReportConfig": "config",
     "RulerConfig": "config", "run_ruler": "commands", "evaluate_ruler": "ruler.run",
+    "LongBenchConfig": "config", "run_longbench": "commands",
+    "evaluate_longbench": "longbench.run",
     "EvalOutput": "commands", "run_eval": "commands", "run_matched": "commands",
     "run_mc": "commands", "run_needle": "commands", "run_pattern": "commands",
     "run_ppl": "commands", "run_report": "commands",

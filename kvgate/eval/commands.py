@@ -25,6 +25,7 @@ from typing import Any
 from kvgate.eval.config import (
     CorpusConfig,
     EvalConfig,
+    LongBenchConfig,
     MatchedConfig,
     MCConfig,
     NeedleConfig,
@@ -39,8 +40,9 @@ from kvgate.eval.masked import EvalError
 from kvgate.eval.report import ResultStore, markdown_table, write_outputs
 from kvgate.policies.base import Budget, Policy
 
-__all__ = ["EvalOutput", "load_model", "parse_policies", "run_eval", "run_matched", "run_mc",
-           "run_needle", "run_pattern", "run_ppl", "run_report", "run_ruler"]
+__all__ = ["EvalOutput", "load_model", "parse_policies", "run_eval", "run_longbench",
+           "run_matched", "run_mc", "run_needle", "run_pattern", "run_ppl", "run_report",
+           "run_ruler"]
 
 Loaded = tuple[Any, Any, dict[str, Any]]
 Loader = Callable[[EvalConfig], Loaded]
@@ -250,6 +252,20 @@ def run_ruler(cfg: RulerConfig, load: Loader | None = None) -> EvalOutput:
     return _finish(store)
 
 
+def run_longbench(cfg: LongBenchConfig, load: Loader | None = None) -> EvalOutput:
+    """LongBench tasks per (task, policy, budget) with LongBench's metrics, question-agnostic
+    unless ``query_aware``. The data is read before the model loads: an unreachable hub or a
+    bad folder fails at once."""
+    from kvgate.eval.longbench.run import evaluate_longbench, load_examples
+
+    examples = load_examples(cfg.tasks, cfg.source, cfg.limit)
+    model, tokenizer, policies, store = _loaded(cfg, load, cfg.build_policies())
+    evaluate_longbench(model, tokenizer, examples, policies, cfg.budgets, store,
+                       max_length=cfg.max_length, query_aware=cfg.query_aware, chat=cfg.chat,
+                       max_new_tokens=cfg.max_new_tokens, progress=cfg.progress)
+    return _finish(store)
+
+
 def run_ppl(cfg: PPLConfig, load: Loader | None = None) -> EvalOutput:
     """Perplexity under eviction (per text, or over fixed windows with ``context``)."""
     from kvgate.eval.needle import evaluate_ppl
@@ -284,6 +300,7 @@ def run_report(cfg: ReportConfig, load: Loader | None = None) -> EvalOutput:
 RUNNERS: dict[type, Callable[..., EvalOutput]] = {
     MCConfig: run_mc, MatchedConfig: run_matched, NeedleConfig: run_needle, PPLConfig: run_ppl,
     PatternConfig: run_pattern, ReportConfig: run_report, RulerConfig: run_ruler,
+    LongBenchConfig: run_longbench,
 }
 
 

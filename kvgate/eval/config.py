@@ -1,4 +1,5 @@
-"""One typed config per evaluation command (``kvgate eval mc|matched|needle|ppl|ruler|pattern|report``).
+"""One typed config per evaluation command (``kvgate eval mc|matched|needle|ppl|ruler|longbench|
+pattern|report``).
 
 Each dataclass holds exactly the options of its command, named as its flags are
 (``--max-length`` -> ``max_length``, ``--no-progress`` -> ``progress=False``). List options
@@ -401,3 +402,39 @@ class RulerConfig(EvalConfig):
         return {**super().settings(), "seed": self.seed, "depths": self.depths,
                 "chat": bool(self.chat), "max_new_tokens": self.max_new_tokens,
                 "query_aware": bool(self.query_aware), "source": self.source}
+
+
+@dataclass
+class LongBenchConfig(EvalConfig):
+    """``kvgate eval longbench``: LongBench (Bai et al., arXiv:2308.14508) with its metrics,
+    question asked after compression."""
+
+    tasks: str | list[str] = "en"       # task names and groups: en, zh, e (LongBench-E), all
+    source: str = "hub"                 # kvpress's Xnhyacinth/LongBench, or a save_to_disk folder
+    limit: int | None = None            # first N examples of each task (default all)
+    budgets: str | list[Budget] = "0.5"
+    max_length: int | None = None       # cut longer contexts in the middle to N tokens
+    query_aware: bool = False           # the question inside the compressed prompt
+    chat: bool = True                   # --no-chat: plain prompts on a model with a template
+    max_new_tokens: int | None = None   # caps LongBench's tokens to generate per task
+
+    def __post_init__(self) -> None:
+        from kvgate.eval.longbench.scoring import LongBenchError, task_names
+
+        super().__post_init__()
+        try:
+            self.tasks = task_names(_items(self.tasks))
+        except LongBenchError as exc:
+            raise EvalError(f"--tasks: {exc}") from None
+        if not str(self.source).strip():
+            raise EvalError("--source: give hub or a save_to_disk folder")
+        self.budgets = parse_budgets(self.budgets)
+        _at_least(self.limit, "--limit")
+        _at_least(self.max_length, "--max-length", 2)
+        _at_least(self.max_new_tokens, "--max-new-tokens")
+
+    def settings(self) -> dict[str, Any]:
+        # --limit only selects (the first N of each task); the mode is in the key
+        return {**super().settings(), "source": self.source, "max_length": self.max_length,
+                "chat": bool(self.chat), "max_new_tokens": self.max_new_tokens,
+                "query_aware": bool(self.query_aware)}

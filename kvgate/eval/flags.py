@@ -1,10 +1,11 @@
-"""``kvgate eval`` (also ``python -m kvgate.eval``): accuracy, retrieval, RULER-style long
-context and perplexity under KV eviction.
+"""``kvgate eval`` (also ``python -m kvgate.eval``): accuracy, retrieval, RULER-style and
+LongBench long context and perplexity under KV eviction.
 
 Long context is question-agnostic by default, as the field measures it (kvpress, RULER): the
-context is compressed without its question, which is asked after (``needle``, ``ruler``;
-``--query-aware`` puts the question inside the compressed prompt). ``ppl`` already is: the
-policy sees only each text's first part, and the scored rest comes after compression.
+context is compressed without its question, which is asked after (``needle``, ``ruler``,
+``longbench``; ``--query-aware`` puts the question inside the compressed prompt). ``ppl``
+already is: the policy sees only each text's first part, and the scored rest comes after
+compression.
 
 Examples:
     kvgate eval mc --model smollm2-135m --tasks rte,copa \\
@@ -17,6 +18,8 @@ Examples:
         --docs 50 --max-length 512 --out out/p
     kvgate eval ruler --model smollm2-135m --lengths 1024,2048 --limit 5 \\
         --policies full,snapkv --budgets 0.25,0.5,0.75 --out out/r
+    kvgate eval longbench --model smollm2-135m --tasks hotpotqa,trec,lcc --limit 20 \\
+        --max-length 7500 --policies full,snapkv --budgets 0.5 --out out/lb
     kvgate eval pattern --checkpoint runs/cpt/export --tasks boolq --samples 3 --out out/x
     kvgate eval report --out out/x
 
@@ -31,12 +34,13 @@ policy under a second label with other options. Bad arguments print one line and
 
 A result is reused only by a run with the same model and the same settings that change scores
 (--max-length, --dtype, --split, --fewshot-*, --truncate, --docs, --seed, --text-files,
---samples, --distractors, --max-new-tokens, --prefix, --depths, --no-chat, --query-aware): a
-run into the same OUT that differs in one of them stops with one line naming it and both
-values (kvgate.eval.identity).
+--samples, --distractors, --max-new-tokens, --prefix, --depths, --no-chat, --query-aware,
+--source): a run into the same OUT that differs in one of them stops with one line naming it
+and both values (kvgate.eval.identity).
 A prompt longer than the model's context (max_position_embeddings) stops with one line naming
 it and both lengths; --truncate (mc, matched, pattern, ppl) cuts it instead and says what it
-dropped. Needle prompts and ppl windows are never cut: their length is the setting.
+dropped, and longbench's --max-length cuts contexts in the middle as LongBench does. Needle
+prompts and ppl windows are never cut: their length is the setting.
 
 Each command's flags (this module, :mod:`kvgate.eval.flags`) fill one config of
 :mod:`kvgate.eval.config` (``MCConfig``, ...), which holds the defaults and checks the values;
@@ -52,8 +56,8 @@ from typing import Any
 
 # eval command -> its config class in kvgate.eval.config (imported when a command runs)
 CONFIGS = {"mc": "MCConfig", "matched": "MatchedConfig", "needle": "NeedleConfig",
-           "ppl": "PPLConfig", "ruler": "RulerConfig", "pattern": "PatternConfig",
-           "report": "ReportConfig"}
+           "ppl": "PPLConfig", "ruler": "RulerConfig", "longbench": "LongBenchConfig",
+           "pattern": "PatternConfig", "report": "ReportConfig"}
 
 
 def build_parser(prog: str = "python -m kvgate.eval") -> argparse.ArgumentParser:
@@ -199,6 +203,31 @@ def add_commands(p: argparse.ArgumentParser) -> None:
                             "query-aware) instead of asking the question after compression")
     ruler.add_argument("--no-chat", dest="chat", action="store_false",
                        help="plain prompts even when the tokenizer has a chat template")
+
+    longbench = command("longbench", help="LongBench tasks with LongBench's metrics "
+                                          "(kvgate.eval.longbench), question asked after "
+                                          "compression")
+    common(longbench)
+    longbench.add_argument("--tasks", help="comma-separated LongBench tasks (hotpotqa, "
+                           "qasper-e for LongBench-E, ...) and groups: en (default: the 16 "
+                           "English and code tasks), zh, e (the 13 LongBench-E tasks), all")
+    longbench.add_argument("--source", help="hub (default: kvpress's Xnhyacinth/LongBench) or a "
+                           "save_to_disk folder of it or of THUDM's layout (one sub-folder per "
+                           "task, or one dataset)")
+    longbench.add_argument("--limit", type=int, help="first N examples of each task (default "
+                                                     "all)")
+    longbench.add_argument("--max-length", type=int,
+                           help="cut a context of more tokens in the middle, keeping its first "
+                                "and last N/2 (LongBench's cut; default none: a prompt longer "
+                                "than the model's context is refused)")
+    longbench.add_argument("--max-new-tokens", type=int,
+                           help="cap on LongBench's tokens to generate per task (32 to 512)")
+    longbench.add_argument("--query-aware", action="store_true",
+                           help="prefill context and question together under the policy (key "
+                                "mode query-aware) instead of asking after compression")
+    longbench.add_argument("--no-chat", dest="chat", action="store_false",
+                           help="plain prompts even when the tokenizer has a chat template "
+                                "(trec, triviaqa, samsum, lsht, lcc, repobench-p always are)")
 
     pattern = command("pattern", help="plot which entries a policy keeps")
     common(pattern, policies="attention_gate")

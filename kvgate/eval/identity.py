@@ -17,11 +17,12 @@ comes back to it; one that differs is refused in one line naming the setting and
   and ``seed``; for the needle ``seed``, ``samples``, ``distractors`` (rank) or
   ``max_new_tokens`` (generate) and ``query_aware``; for per-text perplexity ``max_length``,
   ``prefix`` and ``truncate``; for ruler ``seed``, ``depths``, ``chat``, ``max_new_tokens`` (the
-  cap) and ``query_aware``.
+  cap) and ``query_aware``, plus ``source``; for longbench ``source``, ``max_length``, ``chat``,
+  ``max_new_tokens`` and ``query_aware``.
 - Where the question goes is in the key as well: the needle's mode is ``rank-masked`` (the
   question compressed with the context, as every needle record before the question-agnostic
   default was) or ``rank-masked-agnostic`` (asked after compression); ruler's mode is
-  ``agnostic`` or ``query-aware``. Old needle records read as query-aware (``LEGACY``).
+  ``agnostic`` or ``query-aware``, and so is longbench's. Old needle records read as query-aware (``LEGACY``).
 - As a backstop every example stores a digest of the tokens it was scored on (``input``): an
   example whose tokens a run builds differently (data, prompt format or tokenizer changed) is
   refused too.

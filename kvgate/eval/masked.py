@@ -35,7 +35,7 @@ from transformers.cache_utils import Cache
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from kvgate.attention.decode import KVPart, multipart_attention
-from kvgate.cache.prefill import keep_masked_attention, prompt_allowed
+from kvgate.cache.prefill import eq5_attention
 from kvgate.errors import KVGateError
 from kvgate.models import dispatch
 from kvgate.models.dispatch import AttentionHandler, ForwardContext
@@ -284,7 +284,7 @@ class MaskedScoringCache(Cache, AttentionHandler):
         """query [B, H, T, d], key/value [B, H_kv, T, d] (post-RoPE), hidden [B, T, D].
         Returns ``(out [B, T, H, d], None)``."""
         c = self.ctx_len
-        b, _, t, _ = query.shape
+        t = query.shape[2]
         if scaling is None:
             scaling = float(getattr(module, "scaling", query.shape[-1] ** -0.5))
         device = query.device
@@ -306,8 +306,7 @@ class MaskedScoringCache(Cache, AttentionHandler):
         ctx_mask = None if attention_mask is None else attention_mask[..., :c, :c]
         band = prefill_band(self.policy)  # read after keep: the gate sets it from its config
         if band is not None:
-            allowed = prompt_allowed(ctx_mask, b, c, window, device)
-            out_ctx = keep_masked_attention(qc, kc, vc, allowed, keep, scaling, recent=band)
+            out_ctx = eq5_attention(qc, kc, vc, ctx_mask, valid, keep, scaling, band, window)
         else:
             out_ctx, _ = sdpa_attention_forward(module, qc, kc, vc, ctx_mask, scaling=scaling,
                                                 dropout=0.0, **kwargs)

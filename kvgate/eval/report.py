@@ -3,7 +3,8 @@
 ``results.json`` layout::
 
     {"meta": {"model": ..., ...},
-     "results": {KEY: {"kind": "mc"|"needle"|"ppl"|"ruler", "complete": bool, <summary numbers>,
+     "results": {KEY: {"kind": "mc"|"needle"|"ppl"|"ruler"|"longbench", "complete": bool,
+                       <summary numbers>,
                        "spec": {"policy": NAME, "options": {...}},
                        "examples": {uid: {<per-example numbers>}}}}}
 
@@ -219,6 +220,11 @@ def markdown_table(results: Iterable[dict[str, Any]]) -> str:
     ruler = ruler_markdown(list(by_kind.get("ruler", [])))
     if ruler:
         parts.append(ruler)
+    from kvgate.eval.longbench.report import longbench_markdown
+
+    longbench = longbench_markdown(list(by_kind.get("longbench", [])))
+    if longbench:
+        parts.append(longbench)
     return "\n\n".join(parts) + "\n"
 
 
@@ -409,4 +415,7 @@ def write_outputs(store: ResultStore) -> list[Path]:
 
     paths.extend(plot_ruler_accuracy(results, store.dir))
     paths.extend(plot_ruler_heatmaps(results, store.dir))
+    from kvgate.eval.longbench.report import plot_longbench_accuracy
+
+    paths.extend(plot_longbench_accuracy(results, store.dir))
     return paths

@@ -217,27 +217,36 @@ def attention_sums(query: Tensor, key: Tensor, valid: Tensor, scaling: float, fi
     stays O(chunk * n). Returns [B, H, n] (and the sums of squared probabilities with
     ``squares=True``). Padding rows and columns contribute 0.
     """
-    b, h, n, _ = query.shape
-    g = h // key.shape[1]
-    k = key.float().repeat_interleave(g, dim=1)
+    b, h, n, d = query.shape
+    hk = key.shape[1]
+    g = h // hk
+    k = key.float()
+    q5 = query.view(b, hk, g, n, d)
     cols = torch.arange(n, device=query.device)
     step = max(1, ROW_CHUNK_ELEMS // max(1, b * h * n))
     total = query.new_zeros((b, h, n), dtype=torch.float32)
     total_sq = query.new_zeros((b, h, n), dtype=torch.float32) if squares else None
     for start in range(max(0, first_row), n, step):
-        rows = torch.arange(start, min(n, start + step), device=query.device)
-        s = torch.matmul(query[:, :, rows].float(), k.transpose(-1, -2)) * scaling
+        end = min(n, start + step)
+        r = end - start
+        rows = cols[start:end]
+        # causal: the chunk's rows see keys before `end` only, so the rest is never computed;
+        # query heads folded into rows, so a KV head's keys serve its g heads unexpanded
+        q = q5[:, :, :, start:end].float().reshape(b, hk, g * r, d)
+        s = torch.matmul(q, k[:, :, :end].transpose(-1, -2)).view(b, hk, g, r, end) * scaling
         if logit_scale is not None:
             scale = logit_scale.float()
-            scale = scale[:, None, None, None] if scale.dim() == 1 else scale[:, None, rows, None]
+            scale = (scale[:, None, None, None, None] if scale.dim() == 1
+                     else scale[:, None, None, start:end, None])
             s = s * scale
-        allowed = (cols[None, :] <= rows[:, None])[None, None] & valid[:, None, None, :]
-        p = torch.nan_to_num(torch.softmax(s.masked_fill(~allowed, -math.inf), dim=-1), nan=0.0)
+        allowed = (cols[None, :end] <= rows[:, None])[None] & valid[:, None, :end]  # [B, r, e]
+        p = torch.nan_to_num(torch.softmax(s.masked_fill(~allowed[:, None, None], -math.inf),
+                                           dim=-1), nan=0.0)
         if row_weight is not None:
-            p = p * row_weight[:, None, rows, None].to(p.dtype)
-        total += p.sum(2)
+            p = p * row_weight[:, None, None, start:end, None].to(p.dtype)
+        total[..., :end] += p.sum(3).view(b, h, end)
         if total_sq is not None:
-            total_sq += p.square().sum(2)
+            total_sq[..., :end] += p.square().sum(3).view(b, h, end)
     return (total, total_sq) if squares else total
 
 

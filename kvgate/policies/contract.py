@@ -22,7 +22,7 @@ A budget at or above the prompt length keeps everything (no-op).
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -112,6 +112,10 @@ class LayerPrompt:
     # [B, n', D] n' >= n: the previous decoder layer's normalised input in this forward (a
     # previous_layer gate reads its first n positions)
     previous_hidden: Tensor | None = None
+    # what a policy computed from this layer's prompt and needs again in the same call (H2O's
+    # column sums: once to choose at prefill, once to seed decode-time eviction); lives and
+    # dies with this object, which the cache builds per layer call
+    derived: dict[str, Tensor] = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def n_real(self) -> Tensor:
@@ -127,7 +131,8 @@ class LayerPrompt:
         return replace(self, query=self.query[:, :, :rows], key=self.key[:, :, :rows],
                        value=self.value[:, :, :rows], valid=self.valid[:, :rows],
                        hidden=None if self.hidden is None else self.hidden[:, :rows],
-                       position_embeddings=None if pe is None else tuple(x[:, :rows] for x in pe))
+                       position_embeddings=None if pe is None else tuple(x[:, :rows] for x in pe),
+                       derived={})
 
 
 class Policy(ABC):

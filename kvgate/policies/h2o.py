@@ -56,7 +56,10 @@ class H2O(ScoredPolicy, DecodeEvicting):
 
     def scores(self, prompt: LayerPrompt, budget: Budget | None = None) -> Tensor:
         """Column sums over all prompt rows ``[B, H_kv, n]`` (fp32, 0 at padding)."""
-        sums = attention_sums(prompt.query, prompt.key, prompt.valid, prompt.scaling)
+        sums = prompt.derived.get("column_sums")
+        if sums is None:  # decode_init asks again after keep: computed once per layer call
+            sums = attention_sums(prompt.query, prompt.key, prompt.valid, prompt.scaling)
+            prompt.derived["column_sums"] = sums
         return gqa_reduce(sums, prompt.key.shape[1], self.gqa)
 
     def forced(self, prompt: LayerPrompt, kept: Tensor) -> Tensor:

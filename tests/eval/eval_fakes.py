@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import ClassVar
 
 import torch
@@ -69,3 +71,17 @@ class RecordingSnapKV(SnapKV):
         if prompt.layer_idx == 0:
             RecordingSnapKV.calls.append((budget.ratio, prompt.key.shape[0]))
         return super().keep(prompt, budget)
+
+
+def cli(capsys, *argv):
+    """Run ``kvgate ARGV...`` in-process: (exit code, stdout, stderr)."""
+    from kvgate.cli import main
+
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def results(folder: Path) -> dict:
+    """The stored results of an eval ``--out`` folder, by key."""
+    return json.loads((Path(folder) / "results.json").read_text())["results"]

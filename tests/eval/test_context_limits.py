@@ -5,14 +5,11 @@ it dropped. Needle prompts and ppl windows are never cut: their length is the se
 
 from __future__ import annotations
 
-import json
-
 import pytest
 from conftest import build, tiny_llama_config
-from eval_fakes import CharTokenizer
+from eval_fakes import CharTokenizer, cli, results
 
 import kvgate.eval.commands
-from kvgate.cli import main
 from kvgate.eval.masked import ScoringItem
 from kvgate.eval.multiple_choice import fit_items
 from kvgate.models.limits import InputTooLongError
@@ -35,14 +32,6 @@ def short(monkeypatch):
     return Short
 
 
-def cli(capsys, *argv):
-    code = main(list(argv))
-    out, err = capsys.readouterr()
-    return code, out, err
-
-
-def results(folder):
-    return json.loads((folder / "results.json").read_text())["results"]
 
 
 @pytest.mark.parametrize("command", ["mc", "matched"])

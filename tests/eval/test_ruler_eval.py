@@ -3,15 +3,14 @@ tables and plots, resume, refused settings and lengths, question-agnostic vs que
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
 import pytest
 from conftest import build, tiny_llama_config
+from eval_fakes import cli, results
 
 import kvgate.eval.commands
-from kvgate.cli import main
 from kvgate.eval.intervals import mean_interval, stratified_interval, wilson
 from kvgate.eval.ruler.run import build_items
 
@@ -36,14 +35,6 @@ def tiny(monkeypatch, model):
     return model
 
 
-def cli(capsys, *argv):
-    code = main(list(argv))
-    out, err = capsys.readouterr()
-    return code, out, err
-
-
-def results(folder):
-    return json.loads((folder / "results.json").read_text())["results"]
 
 
 def test_ruler_end_to_end_resume_and_refusals(capsys, tiny, tmp_path):

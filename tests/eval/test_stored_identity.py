@@ -8,10 +8,9 @@ from __future__ import annotations
 import json
 
 import pytest
-from eval_fakes import CharTokenizer
+from eval_fakes import CharTokenizer, cli
 
 import kvgate.eval.commands
-from kvgate.cli import main
 from kvgate.eval.masked import EvalError
 from kvgate.eval.report import ResultStore
 
@@ -27,11 +26,6 @@ def tiny(monkeypatch, tiny_llama):
                                                                    "checkpoint": None}))
     return tiny_llama
 
-
-def cli(capsys, *argv):
-    code = main(list(argv))
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 def texts(tmp_path, name="held_out.txt", text=TEXT):

@@ -20,15 +20,14 @@ context: a length that does not is refused before anything is scored.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from torch import nn
 
+from kvgate.eval.asked import Asked, compress_then_answer, prefill_then_decode
 from kvgate.eval.intervals import mean_interval
-from kvgate.eval.masked import model_shape, pad_id
 from kvgate.eval.multiple_choice import evict_summary, run_resumable
 from kvgate.eval.report import ResultStore, budget_label, make_key
 from kvgate.eval.ruler.scoring import score
@@ -126,42 +125,29 @@ def ruler_summary(records: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
             "sec_per_example": sum(secs) / n if n else float("nan"), **evict_summary(records)}
 
 
-def _record(item: RulerItem, text: str, kept: int, total: int, seconds: float) -> dict[str, Any]:
+def _record(item: RulerItem, asked: Asked) -> dict[str, Any]:
     ex = item.example
-    return {"output": text, "answers": list(ex.answers),
-            "score": score(ex.task, [text], [ex.answers]), "depth": item.depth,
-            "kept": kept, "total": total, "evict": 1.0 - kept / max(total, 1),
-            "n_ctx": item.n_ctx, "seconds": seconds}
+    return {"output": asked.text, "answers": list(ex.answers),
+            "score": score(ex.task, [asked.text], [ex.answers]), "depth": item.depth,
+            "kept": asked.kept, "total": asked.total,
+            "evict": 1.0 - asked.kept / max(asked.total, 1), "n_ctx": item.n_ctx,
+            "seconds": asked.seconds}
 
 
 def score_agnostic(model: nn.Module, tokenizer: Any, item: RulerItem, policy: Policy,
                    budget: Budget, chat: bool) -> dict[str, Any]:
     """Compress the context, then ask the question over the compressed cache."""
-    from kvgate.inference import Engine
-
-    layers, heads = model_shape(model)
-    engine = Engine(model, tokenizer, policy, budget)
     ex = item.example
-    t0 = time.perf_counter()
-    compressed = engine.compress(ex.context, chat=chat)
-    text = engine.answer(compressed, [ex.question], max_new_tokens=item.max_new_tokens,
-                         answer_prefix=ex.answer_prefix)[0]
-    seconds = time.perf_counter() - t0
-    total = layers * heads * compressed.lengths[0]
-    return _record(item, text, round(compressed.kept_fraction * total), total, seconds)
+    return _record(item, compress_then_answer(model, tokenizer, ex.context, ex.question,
+                                              ex.answer_prefix, item.max_new_tokens, policy,
+                                              budget, chat))
 
 
 def score_query_aware(model: nn.Module, tokenizer: Any, item: RulerItem, policy: Policy,
                       budget: Budget) -> dict[str, Any]:
     """Prefill context and question together under the policy, then decode."""
-    from kvgate.eval.needle import generate_greedy
-
-    t0 = time.perf_counter()
-    gen, kept, total = generate_greedy(model, [item.ids], policy, budget, item.max_new_tokens,
-                                       pad_id(tokenizer), getattr(tokenizer, "eos_token_id", None))
-    seconds = time.perf_counter() - t0
-    text = tokenizer.decode(gen[0], skip_special_tokens=True)
-    return _record(item, text, kept[0], total[0], seconds)
+    return _record(item, prefill_then_decode(model, tokenizer, item.ids, item.max_new_tokens,
+                                             policy, budget))
 
 
 def evaluate_ruler(model: nn.Module, tokenizer: Any, tasks: Sequence[str],

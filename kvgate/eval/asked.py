@@ -1,0 +1,60 @@
+"""One example asked under a policy, the two ways long-context benchmarks ask it.
+
+- :func:`compress_then_answer` (question-agnostic, the field's setting: kvpress, RULER under
+  eviction): ``Engine.compress`` runs the policy on the context alone, then ``Engine.answer``
+  asks the question over the compressed cache, so the policy never sees the question;
+- :func:`prefill_then_decode` (query-aware): context and question are prefilled together under
+  the policy, which then sees the question, and decoding follows.
+
+Both return what a benchmark record needs: the answer text, the kept and total prompt entries
+(``layers x KV heads x tokens``) and the seconds of compress + answer.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from torch import nn
+
+from kvgate.eval.masked import model_shape, pad_id
+from kvgate.policies.base import Budget, Policy
+
+
+@dataclass(frozen=True)
+class Asked:
+    text: str
+    kept: int
+    total: int
+    seconds: float
+
+
+def compress_then_answer(model: nn.Module, tokenizer: Any, context: str, question: str,
+                         answer_prefix: str | None, max_new_tokens: int, policy: Policy,
+                         budget: Budget, chat: bool) -> Asked:
+    """Compress ``context``, then ask ``question`` (and its answer prefix) over the cache."""
+    from kvgate.inference import Engine
+
+    layers, heads = model_shape(model)
+    engine = Engine(model, tokenizer, policy, budget)
+    t0 = time.perf_counter()
+    compressed = engine.compress(context, chat=chat)
+    text = engine.answer(compressed, [question], max_new_tokens=max_new_tokens,
+                         answer_prefix=answer_prefix)[0]
+    seconds = time.perf_counter() - t0
+    total = layers * heads * compressed.lengths[0]
+    return Asked(text, round(compressed.kept_fraction * total), total, seconds)
+
+
+def prefill_then_decode(model: nn.Module, tokenizer: Any, ids: Sequence[int],
+                        max_new_tokens: int, policy: Policy, budget: Budget) -> Asked:
+    """Prefill ``ids`` (context and question) under the policy, then decode greedily."""
+    from kvgate.eval.needle import generate_greedy
+
+    t0 = time.perf_counter()
+    gen, kept, total = generate_greedy(model, [list(ids)], policy, budget, max_new_tokens,
+                                       pad_id(tokenizer), getattr(tokenizer, "eos_token_id", None))
+    seconds = time.perf_counter() - t0
+    return Asked(tokenizer.decode(gen[0], skip_special_tokens=True), kept[0], total[0], seconds)

@@ -1,0 +1,115 @@
+"""LongBench results in results.md and a plot, in the style of :mod:`kvgate.eval.report`: the
+score per task, the average over tasks (LongBench's headline number; Bai et al.,
+arXiv:2308.14508) with a 95% interval, %Evict, seconds per example and their ratio to the full
+cache's, LongBench-E's scores by length, and score against %Evict per task."""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from kvgate.eval.intervals import stratified_interval
+
+Row = dict[str, Any]
+BUCKETS = ("0-4k", "4-8k", "8k+")
+
+
+def _longbench(results: Sequence[Row]) -> list[Row]:
+    return [r for r in results if r.get("kind") == "longbench" and r.get("acc") is not None]
+
+
+def _f(value: Any, digits: int = 1) -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "-"
+    return f"{value:.{digits}f}"
+
+
+def averages(results: Sequence[Row]) -> list[Row]:
+    """One row per (policy, budget, mode): the mean of its task scores, the 95% interval of that
+    mean (bootstrap within each task), %Evict, seconds per example and their ratio to the full
+    cache's over the same tasks and mode (where ``full`` ran them)."""
+    groups: dict[tuple[str, str, str], list[Row]] = defaultdict(list)
+    for r in _longbench(results):
+        groups[(r["policy"], r["budget"], r["mode"])].append(r)
+    out = []
+    for (policy, budget, mode), rows in sorted(groups.items()):
+        scores = [[float(e["score"]) for e in r.get("examples", {}).values()] for r in rows]
+        lo, hi = stratified_interval(scores)
+        out.append({"policy": policy, "budget": budget, "mode": mode, "tasks": len(rows),
+                    "task_set": frozenset(r["task"] for r in rows),
+                    "n": sum(r["n"] for r in rows),
+                    "acc": sum(r["acc"] for r in rows) / len(rows), "ci_low": lo, "ci_high": hi,
+                    "evict_pct": sum(r["evict_pct"] for r in rows) / len(rows),
+                    "sec_per_example": sum(r["sec_per_example"] for r in rows) / len(rows)})
+    full = {(a["mode"], a["task_set"]): a["sec_per_example"] for a in out
+            if a["policy"] == "full"}
+    for a in out:
+        ref = full.get((a["mode"], a["task_set"]))
+        a["x_full"] = a["sec_per_example"] / ref if ref else math.nan
+    return out
+
+
+def longbench_markdown(results: Sequence[Row]) -> str:
+    """The per-task table, the average over tasks and, for LongBench-E tasks, the scores by
+    length ('' when there are no LongBench results)."""
+    rows = sorted(_longbench(results), key=lambda r: (r["task"], r["policy"], r["budget"],
+                                                      r["mode"]))
+    if not rows:
+        return ""
+    head = ("| task | metric | policy | budget | mode | n | score | 95% CI | %Evict | "
+            "s/example |")
+    lines = ["### longbench", "", head, "|" + "---|" * 10]
+    for r in rows:
+        lines.append(f"| {r['task']} | {r.get('metric', '-')} | {r['policy']} | {r['budget']} | "
+                     f"{r['mode']} | {r['n']} | {_f(r['acc'])} | {_f(r['ci_low'])}-"
+                     f"{_f(r['ci_high'])} | {_f(r['evict_pct'])} | "
+                     f"{_f(r['sec_per_example'], 3)} |")
+    head = ("| policy | budget | mode | tasks | n | score | 95% CI | %Evict | s/example | "
+            "x full |")
+    lines += ["", "### longbench (average over tasks)", "", head, "|" + "---|" * 10]
+    for a in averages(results):
+        lines.append(f"| {a['policy']} | {a['budget']} | {a['mode']} | {a['tasks']} | {a['n']} "
+                     f"| {_f(a['acc'])} | {_f(a['ci_low'])}-{_f(a['ci_high'])} | "
+                     f"{_f(a['evict_pct'])} | {_f(a['sec_per_example'], 3)} | "
+                     f"{_f(a['x_full'], 2)} |")
+    by_length = [r for r in rows if f"acc_{BUCKETS[0]}" in r]
+    if by_length:
+        lines += ["", "### longbench-e (score by length)", "",
+                  "| task | policy | budget | mode | " + " | ".join(BUCKETS) + " |",
+                  "|" + "---|" * (4 + len(BUCKETS))]
+        for r in by_length:
+            cells = " | ".join(_f(r.get(f"acc_{b}")) for b in BUCKETS)
+            lines.append(f"| {r['task']} | {r['policy']} | {r['budget']} | {r['mode']} | "
+                         f"{cells} |")
+    return "\n".join(lines)
+
+
+def plot_longbench_accuracy(results: Sequence[Row], out_dir: str | Path) -> list[Path]:
+    """Per mode: score against %Evict, one panel per task (and the average over the tasks of
+    the settings that ran them all), one series per policy."""
+    from kvgate.eval.report import _draw_series, _pyplot, _save
+
+    rows = _longbench(results)
+    paths = []
+    for mode in sorted({r["mode"] for r in rows}):
+        mine = [r for r in rows if r["mode"] == mode]
+        tasks = sorted({r["task"] for r in mine})
+        panels = tasks + (["average"] if len(tasks) > 1 else [])
+        cols = min(5, len(panels))
+        nrows = math.ceil(len(panels) / cols)
+        plt = _pyplot()
+        fig, axes = plt.subplots(nrows, cols, figsize=(4.0 * cols, 3.4 * nrows), squeeze=False)
+        avg = [a for a in averages(mine) if a["tasks"] == len(tasks)]
+        for i, panel in enumerate(panels):
+            data = avg if panel == "average" else [r for r in mine if r["task"] == panel]
+            _draw_series(axes[i // cols][i % cols], data, "acc", panel, "score")
+        for j in range(len(panels), nrows * cols):
+            axes[j // cols][j % cols].axis("off")
+        last = (len(panels) - 1) // cols, (len(panels) - 1) % cols
+        path = Path(out_dir) / f"longbench_accuracy_{mode}.png"
+        paths.append(_save(plt, fig, [[axes[last[0]][last[1]]]], path))
+        plt.close("all")
+    return paths
