@@ -479,25 +479,34 @@ case "${1:-all}" in
       $R/mc_headroom_c $R/mc_headroom_r3 $R/mc_short_full --paired full --any-mode ;;
   ruler)  # PART: issue #34's long-context table (docs/RESULTS.md section 3), the question
     # asked after compression; four RULER families where SmolLM2's full cache scores >= 30% at
-    # 1k, 3 examples per (family, length), answers capped at 32 tokens. Parts a (heuristics) and
-    # b (gates) run side by side, one thread each; `b` trains both gates first if missing.
+    # 1k (a 13-family pilot: `--tasks all --lengths 1024 --policies full`), 3 examples per
+    # (family, length), answers capped at 32 tokens. Parts a (heuristics) and b (gates, trained
+    # first if missing) run side by side, one thread each.
     rl=(--tasks niah_single_1,niah_single_2,niah_multikey_1,qa_1 --lengths 1024,2048,4096
         --limit 3 --max-new-tokens 32 --no-progress)
     case "$2" in
       a) kvgate eval ruler --model smollm2-135m "${rl[@]}" --budgets 0.5 \
-           --policies full,snapkv,h2o,tova,streaming,knorm,pyramidkv,adakv,random --out $R/ruler/heuristics
+           --policies full,snapkv,h2o,tova,streaming,knorm --out $R/ruler/heuristics
          kvgate eval ruler --model smollm2-135m "${rl[@]}" --budgets 0.5 --query-aware \
            --policies snapkv --out $R/ruler/heuristics
-         kvgate eval ruler --model smollm2-135m "${rl[@]}" --budgets 0.25,0.75 \
-           --policies snapkv,h2o,streaming --out $R/ruler/heuristics
          kvgate eval ruler --model smollm2-135m "${rl[@]}" --budgets 0.5 \
-           --policies nacl,ahakv,window,roco --out $R/ruler/heuristics ;;
+           --policies random,pyramidkv,adakv --out $R/ruler/heuristics
+         kvgate eval ruler --model smollm2-135m "${rl[@]}" --budgets 0.25,0.75 \
+           --policies snapkv,streaming --out $R/ruler/heuristics ;;
       b) for g in cpt_long cpt_recipe; do
            [ -f runs/$g/gated/kvgate_config.json ] || kvgate train --config $g
-           kvgate eval ruler --checkpoint runs/$g/gated "${rl[@]}" --budgets 0.25,0.5,0.75 \
-             --policies attention_gate,gate_rank=gate_hybrid --policy-opt gate_rank.rank=true \
-             --out $R/ruler/$g
-         done ;;
+         done
+         gate=(--policies attention_gate,gate_rank=gate_hybrid --policy-opt gate_rank.rank=true)
+         kvgate eval ruler --checkpoint runs/cpt_long/gated "${rl[@]}" --budgets 0.5 "${gate[@]}" \
+           --out $R/ruler/cpt_long
+         python bench/bench_long_context.py --lengths 1024,2048,4096 --repeats 2 --threads 1 \
+           --policies full,snapkv,h2o,tova,streaming,knorm,attention_gate \
+           --checkpoint runs/cpt_long/gated --profile --json $R/bench_long_context/blocked.json
+         kvgate eval ruler --checkpoint runs/cpt_recipe/gated "${rl[@]}" --budgets 0.5 \
+           "${gate[@]}" --out $R/ruler/cpt_recipe
+         kvgate eval ruler --checkpoint runs/cpt_long/gated "${rl[@]}" --budgets 0.25,0.75 \
+           --policies gate_rank=gate_hybrid --policy-opt gate_rank.rank=true \
+           --out $R/ruler/cpt_long ;;
     esac
     python experiments/summarize_ruler.py $R/ruler/heuristics cpt_long=$R/ruler/cpt_long \
       cpt_recipe=$R/ruler/cpt_recipe --tasks niah_single_1,niah_single_2,niah_multikey_1,qa_1 ;;
