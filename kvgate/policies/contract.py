@@ -114,8 +114,10 @@ class LayerPrompt:
     previous_hidden: Tensor | None = None
     # what a policy computed from this layer's prompt and needs again in the same call (H2O's
     # column sums: once to choose at prefill, once to seed decode-time eviction); lives and
-    # dies with this object, which the cache builds per layer call
-    derived: dict[str, Tensor] = field(default_factory=dict, repr=False, compare=False)
+    # dies with this object, which the cache builds per layer call (init=False: a copy made
+    # with dataclasses.replace, e.g. some rows or a prefix of the prompt, starts empty)
+    derived: dict[str, Tensor] = field(default_factory=dict, init=False, repr=False,
+                                       compare=False)
 
     @property
     def n_real(self) -> Tensor:
@@ -131,8 +133,7 @@ class LayerPrompt:
         return replace(self, query=self.query[:, :, :rows], key=self.key[:, :, :rows],
                        value=self.value[:, :, :rows], valid=self.valid[:, :rows],
                        hidden=None if self.hidden is None else self.hidden[:, :rows],
-                       position_embeddings=None if pe is None else tuple(x[:, :rows] for x in pe),
-                       derived={})
+                       position_embeddings=None if pe is None else tuple(x[:, :rows] for x in pe))
 
 
 class Policy(ABC):
