@@ -30,6 +30,12 @@ class Asked:
     total: int
     seconds: float
 
+    def record(self) -> dict[str, Any]:
+        """The fields every benchmark record stores: answer, kept / total entries, eviction
+        share and seconds (each benchmark adds its score and its own fields)."""
+        return {"output": self.text, "kept": self.kept, "total": self.total,
+                "evict": 1.0 - self.kept / max(self.total, 1), "seconds": self.seconds}
+
 
 def compress_then_answer(model: nn.Module, tokenizer: Any, context: str, question: str,
                          answer_prefix: str | None, max_new_tokens: int, policy: Policy,

@@ -173,11 +173,9 @@ def longbench_summary(records: Mapping[str, Mapping[str, Any]],
 
 def _record(item: LongBenchItem, asked: Asked) -> dict[str, Any]:
     ex = item.example
-    return {"output": asked.text, "answers": list(ex.answers),
+    return {**asked.record(), "answers": list(ex.answers),
             "score": score_example(ex.task, asked.text, ex.answers, ex.all_classes),
-            "length": ex.length, "dropped": item.dropped, "kept": asked.kept,
-            "total": asked.total, "evict": 1.0 - asked.kept / max(asked.total, 1),
-            "n_ctx": item.n_ctx, "seconds": asked.seconds}
+            "length": ex.length, "dropped": item.dropped, "n_ctx": item.n_ctx}
 
 
 def score_agnostic(model: nn.Module, tokenizer: Any, item: LongBenchItem, policy: Policy,

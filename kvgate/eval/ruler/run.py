@@ -127,11 +127,9 @@ def ruler_summary(records: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
 
 def _record(item: RulerItem, asked: Asked) -> dict[str, Any]:
     ex = item.example
-    return {"output": asked.text, "answers": list(ex.answers),
+    return {**asked.record(), "answers": list(ex.answers),
             "score": score(ex.task, [asked.text], [ex.answers]), "depth": item.depth,
-            "kept": asked.kept, "total": asked.total,
-            "evict": 1.0 - asked.kept / max(asked.total, 1), "n_ctx": item.n_ctx,
-            "seconds": asked.seconds}
+            "n_ctx": item.n_ctx}
 
 
 def score_agnostic(model: nn.Module, tokenizer: Any, item: RulerItem, policy: Policy,
