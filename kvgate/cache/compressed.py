@@ -33,12 +33,18 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from kvgate.attention.decode import KVPart, multipart_attention
 from kvgate.cache.errors import CacheError
-from kvgate.cache.prefill import eq5_attention, new_token_validity, positions_after
+from kvgate.cache.prefill import (
+    causal_attention_lse,
+    eq5_attention,
+    new_token_validity,
+    positions_after,
+)
 from kvgate.cache.ragged import RaggedStore
 from kvgate.models.dispatch import AttentionHandler, ForwardContext, install
 from kvgate.policies.contract import (
     Budget,
     DecodeEvicting,
+    EncodeMasking,
     LayerPrompt,
     Policy,
     PolicyError,
@@ -262,15 +268,17 @@ class CompressedCache(Cache, AttentionHandler):
                  window: int | None, kwargs: dict) -> Tensor:
         module, query, key, value = prompt.module, prompt.query, prompt.key, prompt.value
         valid, scaling = prompt.valid, prompt.scaling
-        b, hk, n, d = key.shape
+        b, hk, _, d = key.shape
         if hk != self.kv_heads or d != self.head_dim:
             raise CacheError(f"layer {module.layer_idx} gives {hk} KV heads of dim {d}; the "
                              f"config says {self.kv_heads} of dim {self.head_dim}")
         layer.store = RaggedStore(b, hk, d, key.dtype, key.device)
         layer.real_seen = torch.zeros(b, dtype=torch.long, device=key.device)
-        n_real = valid.sum(-1)
         if isinstance(self.policy, StreamingPrefill):
             out = self._stream_prefill(layer, prompt, mask, window, kwargs)
+        elif (fused := self._fused_prefill(prompt, mask, window)) is not None:
+            out, prompt.lse = fused  # the attention first: the policy reads its log-sum-exp
+            self._store_kept(layer, prompt, self._keep(prompt))
         else:
             keep = self._keep(prompt)
             band = prefill_band(self.policy)  # read after keep(): the gate decides per model
@@ -279,14 +287,51 @@ class CompressedCache(Cache, AttentionHandler):
             else:
                 out, _ = sdpa_attention_forward(module, query, key, value, mask, scaling=scaling,
                                                 dropout=0.0, **kwargs)
-            layer.store.append(key, value, positions_after(valid, layer.real_seen))
-            kept = layer.store.rebuild(keep)
-            if isinstance(self.policy, DecodeEvicting):
-                stats = self.policy.decode_init(prompt, keep)
-                layer.stats = {k: layer.store.realign(v, kept) for k, v in stats.items()}
-            layer.seen, layer.real_seen = n, n_real
-        layer.capacity = self._decode_capacity(layer.store.kept_counts(), n_real)
+            self._store_kept(layer, prompt, keep)
+        layer.capacity = self._decode_capacity(layer.store.kept_counts(), valid.sum(-1))
         return out
+
+    def _wants_lse(self) -> bool:
+        """Whether the policy sums attention probabilities of a full prefill (so the fused
+        kernel's log-sum-exp saves it work)."""
+        return self.policy.needs_attention and not isinstance(self.policy, EncodeMasking)
+
+    def _fused_prefill(self, prompt: LayerPrompt, mask: Tensor | None,
+                       window: int | None) -> tuple[Tensor, Tensor] | None:
+        if not self._wants_lse():
+            return None
+        return causal_attention_lse(prompt.query, prompt.key, prompt.value, mask, prompt.valid,
+                                    prompt.scaling, window)
+
+    def _store_kept(self, layer: _Layer, prompt: LayerPrompt, keep: Tensor) -> None:
+        """Store the prompt's kept entries (and a decode-evicting policy's statistics)."""
+        layer.store.append(prompt.key, prompt.value, positions_after(prompt.valid, layer.real_seen))
+        kept = layer.store.rebuild(keep)
+        if isinstance(self.policy, DecodeEvicting):
+            stats = self.policy.decode_init(prompt, keep)
+            layer.stats = {k: layer.store.realign(v, kept) for k, v in stats.items()}
+        layer.seen, layer.real_seen = prompt.key.shape[2], prompt.n_real
+
+    def store_prompt(self, prompt: LayerPrompt) -> None:
+        """Fill one layer from a prompt that was encoded elsewhere with full attention: this
+        cache's policy chooses, nothing is attended (``kvgate.cache.shared`` runs one prefill
+        for several one-shot policies this way). Refused for a policy whose prefill differs
+        from a full one (streamed, or encoded under its keep mask)."""
+        layer = self._layer(prompt.layer_idx)
+        if layer.store is not None:
+            raise CacheError(f"layer {prompt.layer_idx} is already filled; use a new cache")
+        if isinstance(self.policy, StreamingPrefill):
+            raise PolicyError(f"policy {self.policy.name!r} streams the prompt block by block, "
+                              "so it cannot share a full prefill")
+        b, hk, _, d = prompt.key.shape
+        keep = self._keep(prompt)
+        if prefill_band(self.policy) is not None:
+            raise PolicyError(f"policy {self.policy.name!r} encodes the prompt under its keep "
+                              "mask (eq. 5), so it cannot share a full prefill")
+        layer.store = RaggedStore(b, hk, d, prompt.key.dtype, prompt.key.device)
+        layer.real_seen = torch.zeros(b, dtype=torch.long, device=prompt.key.device)
+        self._store_kept(layer, prompt, keep)
+        layer.capacity = self._decode_capacity(layer.store.kept_counts(), prompt.n_real)
 
     def _stream_prefill(self, layer: _Layer, prompt: LayerPrompt, mask: Tensor | None,
                         window: int | None, kwargs: dict) -> Tensor:

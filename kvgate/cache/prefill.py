@@ -16,7 +16,7 @@ from torch.nn.functional import scaled_dot_product_attention
 
 from kvgate.attention.masks import as_bool, new_token_validity, positions_after, prompt_allowed
 
-__all__ = ["eq5_attention", "keep_masked_attention", "new_token_validity", "positions_after",
+__all__ = ["causal_attention_lse", "eq5_attention", "keep_masked_attention", "new_token_validity", "positions_after",
            "prompt_allowed"]
 
 # Row chunk of the general path: bounds the [B, H, rows, n] mask SDPA materialises.
@@ -40,6 +40,26 @@ def eq5_attention(query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None
                                      valid=valid)
     allowed = prompt_allowed(mask, b, n, window, query.device)
     return keep_masked_attention(query, key, value, allowed, keep, scaling, recent)
+
+
+def causal_attention_lse(query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None,
+                         valid: Tensor, scaling: float, window: int | None,
+                         ) -> tuple[Tensor, Tensor] | None:
+    """The full cache's causal prefill attention and its per-row log-sum-exp, from SDPA's fused
+    CPU kernel (the output is the one transformers' SDPA path computes, bit for bit): ``(out
+    [B, n, H, d], lse [B, H, n])``. None where that kernel does not apply (another device, a
+    sliding window, padding, a mask that is not plain causal); the caller then attends as
+    usual and goes without the log-sum-exp."""
+    if (_FUSED_CPU is None or query.device.type != "cpu" or window is not None
+            or query.shape[2] < 2 or not bool(valid.all())):
+        return None
+    if mask is not None and not _is_causal_padding(mask, valid):
+        return None
+    g = query.shape[1] // key.shape[1]
+    if g > 1:  # the kernel takes as many K/V heads as query heads
+        key, value = key.repeat_interleave(g, 1), value.repeat_interleave(g, 1)
+    out, lse = _FUSED_CPU(query, key, value, is_causal=True, scale=scaling)
+    return out.transpose(1, 2).contiguous(), lse
 
 
 def _is_causal_padding(mask: Tensor, valid: Tensor) -> bool:

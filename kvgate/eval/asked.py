@@ -13,7 +13,7 @@ Both return what a benchmark record needs: the answer text, the kept and total p
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -52,6 +52,33 @@ def compress_then_answer(model: nn.Module, tokenizer: Any, context: str, questio
     seconds = time.perf_counter() - t0
     total = layers * heads * compressed.lengths[0]
     return Asked(text, round(compressed.kept_fraction * total), total, seconds)
+
+
+def compress_shared_then_answer(model: nn.Module, tokenizer: Any, context: str, question: str,
+                                answer_prefix: str | None, max_new_tokens: int,
+                                variants: Mapping[str, tuple[Policy, Budget]],
+                                chat: bool) -> dict[str, Asked]:
+    """:func:`compress_then_answer` for several one-shot ``variants[name] = (policy, budget)``
+    from one shared prefill (``kvgate.inference.compress.compress_shared``): the same answers.
+    A variant's seconds are what it would take alone: the prefill less the other variants'
+    choosing, plus its answer."""
+    from kvgate.inference import Engine
+    from kvgate.inference.compress import compress_shared
+
+    layers, heads = model_shape(model)
+    engine = Engine(model, tokenizer, "full", 1.0)
+    t0 = time.perf_counter()
+    compressed, own = compress_shared(engine, context, variants, chat=chat)
+    prefill = time.perf_counter() - t0 - sum(own.values())
+    out = {}
+    for name, ctx in compressed.items():
+        t1 = time.perf_counter()
+        text = engine.answer(ctx, [question], max_new_tokens=max_new_tokens,
+                             answer_prefix=answer_prefix)[0]
+        seconds = prefill + own[name] + time.perf_counter() - t1
+        total = layers * heads * ctx.lengths[0]
+        out[name] = Asked(text, round(ctx.kept_fraction * total), total, seconds)
+    return out
 
 
 def prefill_then_decode(model: nn.Module, tokenizer: Any, ids: Sequence[int],

@@ -229,7 +229,7 @@ def _rows(prompt: LayerPrompt, idx: Tensor) -> LayerPrompt:
     return replace(prompt, query=prompt.query[idx], key=prompt.key[idx],
                    value=prompt.value[idx], valid=prompt.valid[idx], hidden=pick(prompt.hidden),
                    position_embeddings=pick(prompt.position_embeddings),
-                   previous_hidden=pick(prompt.previous_hidden))
+                   previous_hidden=pick(prompt.previous_hidden), lse=pick(prompt.lse))
 
 
 class MaskedScoringCache(Cache, AttentionHandler):

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -27,9 +28,10 @@ from torch import Tensor
 from kvgate.attention.masks import left_pad
 from kvgate.cache import CompressedCache
 from kvgate.cache.fork import fork_cache, grow_capacity
+from kvgate.cache.shared import SharedPrefill
 from kvgate.inference.decode import decode, left_padded_positions, sync_device, until_eos
 from kvgate.models.limits import InputTooLongError, context_limit, fit_to_context
-from kvgate.policies.base import PolicyError
+from kvgate.policies.base import Budget, Policy, PolicyError
 
 SEPARATOR = "\n\n"  # between the context and the question, in both forms
 _MARK = "\u2063KVGATE-QUESTION-SPLIT\u2063"
@@ -97,9 +99,32 @@ def _tokenizer_ready(tokenizer: Any) -> None:
         tokenizer.pad_token = tokenizer.eos_token
 
 
-@torch.no_grad()
 def compress(engine: Any, contexts: str | list[str], chat: bool = True) -> CompressedContext:
     """Prefill ``contexts`` (left padded) under the engine's policy; no question is involved."""
+    return _prefill_contexts(engine, contexts, chat, engine.new_cache())
+
+
+def compress_shared(engine: Any, contexts: str | list[str],
+                    variants: Mapping[str, tuple[Policy, Budget | float | str]],
+                    chat: bool = True) -> tuple[dict[str, CompressedContext], dict[str, float]]:
+    """``contexts`` compressed under every one-shot ``variants[name] = (policy, budget)`` from a
+    single prefill (``kvgate.cache.shared.SharedPrefill``): each result equals
+    ``Engine(model, tokenizer, policy, budget).compress(contexts)`` and is answered with
+    ``answer`` like one. Also returns each variant's own seconds inside the shared prefill.
+    ``compress_ms`` of every result is the shared prefill's."""
+    shared = SharedPrefill(engine.model, variants)
+    lead = _prefill_contexts(engine, contexts, chat, shared)
+    out = {name: CompressedContext(cache, lead.input_ids, lead.attention_mask, lead.chat,
+                                   lead.suffix, lead.contexts, cache.kept_fraction(),
+                                   cache.kept_fractions(), cache.bytes_held(), cache.full_bytes(),
+                                   lead.compress_ms)
+           for name, cache in shared.caches.items()}
+    return out, dict(shared.seconds)
+
+
+@torch.no_grad()
+def _prefill_contexts(engine: Any, contexts: str | list[str], chat: bool,
+                      cache: CompressedCache) -> CompressedContext:
     contexts = [contexts] if isinstance(contexts, str) else list(contexts)
     if not contexts or any(not isinstance(c, str) or not c.strip() for c in contexts):
         raise PolicyError("contexts must be a non-empty list of non-empty strings")
@@ -116,7 +141,6 @@ def compress(engine: Any, contexts: str | list[str], chat: bool = True) -> Compr
     ids, mask = left_pad(rows, tok.pad_token_id)
     device = engine.device
     ids, mask = ids.to(device), mask.to(device)
-    cache = engine.new_cache()
     sync_device(device)
     t0 = time.perf_counter()
     engine.model(input_ids=ids, attention_mask=mask, position_ids=left_padded_positions(mask),

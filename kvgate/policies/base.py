@@ -208,7 +208,8 @@ ROW_CHUNK_ELEMS = 1 << 24  # fp32 elements in one row-chunk of attention probabi
 
 def attention_sums(query: Tensor, key: Tensor, valid: Tensor, scaling: float, first_row: int = 0,
                    *, row_weight: Tensor | None = None, logit_scale: Tensor | None = None,
-                   squares: bool = False) -> Tensor | tuple[Tensor, Tensor]:
+                   squares: bool = False, lse: Tensor | None = None,
+                   ) -> Tensor | tuple[Tensor, Tensor]:
     """Column sums of causal fp32 attention probabilities over query rows ``first_row..n-1``.
 
     query [B, H, n, d], key [B, H_kv, n, d], valid [B, n]. ``row_weight`` [B, n] multiplies
@@ -216,7 +217,14 @@ def attention_sums(query: Tensor, key: Tensor, valid: Tensor, scaling: float, fi
     sample / row before the softmax (AhaKV's lambda'). Rows are processed in chunks so memory
     stays O(chunk * n). Returns [B, H, n] (and the sums of squared probabilities with
     ``squares=True``). Padding rows and columns contribute 0.
+
+    ``lse`` [B, H, n]: each row's log-sum-exp of its causal logits, as the prefill's fused
+    kernel returns it (``LayerPrompt.lse``; unpadded prompts). The probabilities are then
+    ``exp(logit - lse)`` in place, without a softmax, a mask of the whole chunk or NaN repair;
+    ignored with ``logit_scale`` (the logits change).
     """
+    if lse is not None and logit_scale is None:
+        return _sums_from_lse(query, key, valid, scaling, first_row, row_weight, squares, lse)
     b, h, n, d = query.shape
     hk = key.shape[1]
     g = h // hk
@@ -247,6 +255,42 @@ def attention_sums(query: Tensor, key: Tensor, valid: Tensor, scaling: float, fi
         total[..., :end] += p.sum(3).view(b, h, end)
         if total_sq is not None:
             total_sq[..., :end] += p.square().sum(3).view(b, h, end)
+    return (total, total_sq) if squares else total
+
+
+def _sums_from_lse(query: Tensor, key: Tensor, valid: Tensor, scaling: float, first_row: int,
+                   row_weight: Tensor | None, squares: bool, lse: Tensor,
+                   ) -> Tensor | tuple[Tensor, Tensor]:
+    """``attention_sums`` given each row's log-sum-exp: per row chunk one matmul, one
+    subtraction and one exponential in place; only the chunk's diagonal block is masked (the
+    keys after each row), padding rows weigh 0 and padding columns are zeroed at the end."""
+    b, h, n, d = query.shape
+    hk = key.shape[1]
+    g = h // hk
+    k = key.float()
+    q5 = (query.float() * scaling).view(b, hk, g, n, d)
+    # a padding row's log-sum-exp set to +inf makes all its probabilities exp(-inf) = 0
+    lse5 = lse.float().masked_fill(~valid[:, None, :], math.inf).view(b, hk, g, n)
+    step = max(1, ROW_CHUNK_ELEMS // max(1, b * h * n))
+    total = query.new_zeros((b, h, n), dtype=torch.float32)
+    total_sq = query.new_zeros((b, h, n), dtype=torch.float32) if squares else None
+    for start in range(max(0, first_row), n, step):
+        end = min(n, start + step)
+        r = end - start
+        q = q5[:, :, :, start:end].reshape(b, hk, g * r, d)
+        p = torch.matmul(q, k[:, :, :end].transpose(-1, -2)).view(b, hk, g, r, end)
+        p.sub_(lse5[:, :, :, start:end, None]).exp_()
+        later = torch.ones(r, r, dtype=torch.bool, device=p.device).triu_(1)
+        p[..., start:end].masked_fill_(later, 0.0)  # causal: the block's own later keys
+        if row_weight is not None:
+            p.mul_(row_weight[:, None, None, start:end, None].to(p.dtype))
+        total[..., :end] += p.sum(3).view(b, h, end)
+        if total_sq is not None:
+            total_sq[..., :end] += p.square().sum(3).view(b, h, end)
+    pad = ~valid[:, None, :]
+    total.masked_fill_(pad, 0.0)
+    if total_sq is not None:
+        total_sq.masked_fill_(pad, 0.0)
     return (total, total_sq) if squares else total
 
 

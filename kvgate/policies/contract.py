@@ -112,6 +112,10 @@ class LayerPrompt:
     # [B, n', D] n' >= n: the previous decoder layer's normalised input in this forward (a
     # previous_layer gate reads its first n positions)
     previous_hidden: Tensor | None = None
+    # [B, H, n] fp32: each prompt row's log-sum-exp of its causal attention logits, when the
+    # prefill's fused kernel gave it (unpadded CPU prefills); lets a policy that sums attention
+    # probabilities over every row (H2O) skip the softmax's normalising passes
+    lse: Tensor | None = None
     # what a policy computed from this layer's prompt and needs again in the same call (H2O's
     # column sums: once to choose at prefill, once to seed decode-time eviction); lives and
     # dies with this object, which the cache builds per layer call (init=False: a copy made
@@ -133,7 +137,8 @@ class LayerPrompt:
         return replace(self, query=self.query[:, :, :rows], key=self.key[:, :, :rows],
                        value=self.value[:, :, :rows], valid=self.valid[:, :rows],
                        hidden=None if self.hidden is None else self.hidden[:, :rows],
-                       position_embeddings=None if pe is None else tuple(x[:, :rows] for x in pe))
+                       position_embeddings=None if pe is None else tuple(x[:, :rows] for x in pe),
+                       lse=None if self.lse is None else self.lse[..., :rows])
 
 
 class Policy(ABC):

@@ -58,7 +58,8 @@ class H2O(ScoredPolicy, DecodeEvicting):
         """Column sums over all prompt rows ``[B, H_kv, n]`` (fp32, 0 at padding)."""
         sums = prompt.derived.get("column_sums")
         if sums is None:  # decode_init asks again after keep: computed once per layer call
-            sums = attention_sums(prompt.query, prompt.key, prompt.valid, prompt.scaling)
+            sums = attention_sums(prompt.query, prompt.key, prompt.valid, prompt.scaling,
+                                  lse=prompt.lse)
             prompt.derived["column_sums"] = sums
         return gqa_reduce(sums, prompt.key.shape[1], self.gqa)
 

@@ -157,3 +157,44 @@ def test_ruler_from_a_local_copy_of_kvpress_ruler(capsys, tiny, tmp_path):
                        "--no-progress", "--out", str(out))
     last = err.strip().splitlines()[-1]  # after datasets' own progress bars
     assert code == 2 and last.startswith("error: ") and "--source" in last
+
+
+def test_one_shot_policies_share_each_examples_prefill(capsys, tiny, tmp_path, monkeypatch):
+    """Question-agnostic one-shot policies are scored from one prefill per example: the
+    records equal each policy's own compress + answer; RoCo (a streamed prefill) runs alone;
+    a key added later scores only itself."""
+    from kvgate.eval.ruler import run
+    from kvgate.policies import get_policy
+    from kvgate.policies.base import Budget
+
+    calls = []
+    real = run.score_shared
+    monkeypatch.setattr(run, "score_shared", lambda m, t, it, want, chat: calls.append(
+        (it.uid, sorted(want))) or real(m, t, it, want, chat))
+    argv = ["eval", "ruler", "--model", "x", "--tasks", "niah_single_1", "--lengths", "300",
+            "--limit", "2", "--max-new-tokens", "4", "--no-progress", "--budgets", "0.5,0.25"]
+    out = tmp_path / "s"
+    code, _, err = cli(capsys, *argv, "--policies", "full,snapkv,h2o,roco", "--out", str(out))
+    assert code == 0, err
+    shared = [f"ruler|niah_single_1@300|{p}|agnostic" for p in
+              ("full|none", "snapkv|0.5", "snapkv|0.25", "h2o|0.5", "h2o|0.25")]
+    assert len(calls) == 2 and all(want == sorted(shared) for _, want in calls)
+    res = results(out)
+    items = {it.uid: it for it in build_items(char_tokenizer(), "niah_single_1", 300, (0, 25, 50, 75, 100), 2,
+                                              max_new_cap=4)}
+    for key in shared:
+        _, _, name, bud, _ = key.split("|")
+        budget = Budget(ratio=1.0 if bud == "none" else float(bud))
+        for uid, ex in res[key]["examples"].items():
+            alone = run.score_agnostic(tiny, char_tokenizer(), items[uid], get_policy(name),
+                                       budget, True)
+            assert (ex["output"], ex["kept"], ex["score"]) == (
+                alone["output"], alone["kept"], alone["score"]), (key, uid)
+            assert ex["shared_prefill"] == 5
+    assert "shared_prefill" not in next(iter(res[
+        "ruler|niah_single_1@300|roco|0.5|agnostic"]["examples"].values()))
+    calls.clear()
+    code, _, err = cli(capsys, *argv, "--policies", "full,snapkv,h2o,tova", "--out", str(out))
+    assert code == 0, err
+    assert [want for _, want in calls] == [sorted(
+        f"ruler|niah_single_1@300|tova|{b}|agnostic" for b in ("0.5", "0.25"))] * 2

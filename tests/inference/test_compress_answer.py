@@ -215,3 +215,24 @@ def test_cli_errors_exit_2(tiny_base, capsys, extra, message):
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1
     assert tiny_base == []
+
+
+def test_compress_shared_equals_each_policy_alone(llama):
+    """One prefill for several policies (a batch of contexts): each result answers exactly as
+    ``Engine(policy).compress`` does, holds the same share, and says what it cost."""
+    from kvgate.inference.compress import compress_shared
+
+    tok = chat_tokenizer()
+    variants = {"snap": (get_policy("snapkv", window=4), 0.5), "h2o": (get_policy("h2o"), 0.25),
+                "full": (get_policy("full"), 1.0)}
+    engine = Engine(llama, tok, "full", 1.0)
+    got, own = compress_shared(engine, CONTEXTS, variants)
+    assert set(got) == set(own) == set(variants)
+    for name, (policy, budget) in variants.items():
+        alone = Engine(llama, tok, policy, budget).compress(CONTEXTS)
+        assert got[name].kept_fraction == alone.kept_fraction
+        assert got[name].bytes_held == alone.bytes_held and got[name].compress_ms > 0
+        _, ids = answer_all(engine, got[name], [[q] for q in QUESTIONS], max_new_tokens=6)
+        _, want = answer_all(engine, alone, [[q] for q in QUESTIONS], max_new_tokens=6)
+        assert ids == want, name
+    assert got["h2o"].kept_fraction < got["snap"].kept_fraction < got["full"].kept_fraction

@@ -26,7 +26,12 @@ from typing import Any
 
 from torch import nn
 
-from kvgate.eval.asked import Asked, compress_then_answer, prefill_then_decode
+from kvgate.eval.asked import (
+    Asked,
+    compress_shared_then_answer,
+    compress_then_answer,
+    prefill_then_decode,
+)
 from kvgate.eval.intervals import mean_interval
 from kvgate.eval.multiple_choice import evict_summary, run_resumable
 from kvgate.eval.report import ResultStore, budget_label, make_key
@@ -34,6 +39,7 @@ from kvgate.eval.ruler.scoring import score
 from kvgate.eval.ruler.tasks import NIAH, TASKS, RulerExample, generate
 from kvgate.models.limits import InputTooLongError, context_limit
 from kvgate.policies.base import Budget, Policy
+from kvgate.policies.contract import EncodeMasking, StreamingPrefill
 
 # RULER's tokens_to_generate per family (scripts/synthetic.yaml); --max-new-tokens caps them
 MAX_NEW_TOKENS = {**{t: 128 for t in NIAH}, "vt": 30, "cwe": 120, "fwe": 50, "qa_1": 32,
@@ -141,6 +147,24 @@ def score_agnostic(model: nn.Module, tokenizer: Any, item: RulerItem, policy: Po
                                               budget, chat))
 
 
+def shares_prefill(policy: Policy) -> bool:
+    """A one-shot policy: its prefill is the full one whatever it keeps, so one prefill can
+    serve it beside others (not a streamed prefill, not a gate encoding under its mask)."""
+    return not isinstance(policy, (StreamingPrefill, EncodeMasking))
+
+
+def score_shared(model: nn.Module, tokenizer: Any, item: RulerItem,
+                 variants: Mapping[str, tuple[Policy, Budget]], chat: bool,
+                 ) -> dict[str, dict[str, Any]]:
+    """:func:`score_agnostic` for several one-shot policies from one prefill: a record per
+    variant, each equal to its own run's (its seconds are the shared prefill less the other
+    variants' choosing, plus its answer)."""
+    ex = item.example
+    asked = compress_shared_then_answer(model, tokenizer, ex.context, ex.question,
+                                        ex.answer_prefix, item.max_new_tokens, variants, chat)
+    return {k: {**_record(item, a), "shared_prefill": len(variants)} for k, a in asked.items()}
+
+
 def score_query_aware(model: nn.Module, tokenizer: Any, item: RulerItem, policy: Policy,
                       budget: Budget) -> dict[str, Any]:
     """Prefill context and question together under the policy, then decode."""
@@ -171,20 +195,42 @@ def evaluate_ruler(model: nn.Module, tokenizer: Any, tasks: Sequence[str],
     mode = MODES[1] if query_aware else MODES[0]
     keys = []
     for task, length, items in cells:
-        extra = {"family": task, "length": length, "query_aware": query_aware}
-        for name, policy in policies.items():
-            buds: Sequence[Budget | None] = [None] if policy.budget_free else budgets
-            for bud in buds:
-                fixed = bud or Budget(ratio=1.0)
-                key = make_key("ruler", f"{task}@{length}", name, budget_label(bud), mode)
-
-                def run(batch, policy=policy, fixed=fixed):
-                    if query_aware:
-                        return [score_query_aware(model, tokenizer, it, policy, fixed)
-                                for it in batch]
-                    return [score_agnostic(model, tokenizer, it, policy, fixed, chat)
-                            for it in batch]
-
-                run_resumable(store, key, items, run, ruler_summary, extra, 1, progress, policy)
-                keys.append(key)
+        keys += _score_cell(model, tokenizer, store, task, length, items, policies, budgets,
+                            mode, chat, progress)
     return keys
+
+
+def _score_cell(model: nn.Module, tokenizer: Any, store: ResultStore, task: str, length: int,
+                items: list[RulerItem], policies: Mapping[str, Policy],
+                budgets: Sequence[Budget], mode: str, chat: bool, progress: bool) -> list[str]:
+    """Every (policy, budget) of one (task, length), each under its resumable key."""
+    query_aware = mode == MODES[1]
+    extra = {"family": task, "length": length, "query_aware": query_aware}
+    jobs = [(make_key("ruler", f"{task}@{length}", name, budget_label(bud), mode), policy,
+             bud or Budget(ratio=1.0))
+            for name, policy in policies.items()
+            for bud in ([None] if policy.budget_free else budgets)]
+    # question-agnostic one-shot policies share each example's prefill (SharedPrefill): the
+    # first key that needs an example scores it for every shared key still lacking it
+    shared = {key: (policy, fixed) for key, policy, fixed in jobs
+              if not query_aware and shares_prefill(policy)}
+    pending: dict[str, dict[str, dict[str, Any]]] = {}  # uid -> key -> record
+
+    def run_shared(batch: list[RulerItem], key: str) -> list[dict[str, Any]]:
+        for it in batch:
+            if key not in pending.get(it.uid, {}):
+                want = {k: v for k, v in shared.items()
+                        if k == key or it.uid not in store.examples(k)}
+                pending[it.uid] = score_shared(model, tokenizer, it, want, chat)
+        return [pending[it.uid].pop(key) for it in batch]
+
+    for key, policy, fixed in jobs:
+        def run(batch, key=key, policy=policy, fixed=fixed):
+            if key in shared:
+                return run_shared(batch, key)
+            if query_aware:
+                return [score_query_aware(model, tokenizer, it, policy, fixed) for it in batch]
+            return [score_agnostic(model, tokenizer, it, policy, fixed, chat) for it in batch]
+
+        run_resumable(store, key, items, run, ruler_summary, extra, 1, progress, policy)
+    return [key for key, _, _ in jobs]
