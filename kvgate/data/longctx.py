@@ -153,6 +153,12 @@ def _check_tasks(tasks: Any, known: tuple[str, ...], what: str) -> tuple[str, ..
     return chosen
 
 
+def _rows_where(data: Any, column: str, accepted: set[str]) -> Any:
+    """The rows whose ``column`` is in ``accepted``: an index selection, which (unlike
+    ``Dataset.filter``) writes no progress bar on stderr and no cache file."""
+    return data.select([i for i, v in enumerate(data[column]) if v in accepted])
+
+
 def load_ruler(length: int, tasks: str | list[str] | None = None, source: str | Path = "hub",
                limit: int | None = None) -> list[LongExample]:
     """RULER examples at one context ``length`` (tokens), optionally only some ``tasks``.
@@ -175,8 +181,7 @@ def load_ruler(length: int, tasks: str | list[str] | None = None, source: str | 
     answer_col = "answer" if "answer" in columns else "answers"
     _require(columns, ("context", "question", "answer_prefix", answer_col, "task"), where)
     if chosen is not None:
-        wanted = set(chosen)
-        data = data.filter(lambda task: task in wanted, input_columns="task")
+        data = _rows_where(data, "task", set(chosen))
     if limit is not None:
         data = data.select(range(min(limit, len(data))))
     out = []
@@ -245,7 +250,7 @@ def load_longbench(task: str, source: str | Path = "hub",
         # one dataset holding several tasks: keep this one's rows (THUDM spells "-e" as "_e")
         _require(columns, (task_col,), f"{where} (several tasks in one dataset)")
         accepted = {task, f"{base}_e"} if task.endswith("-e") else {task}
-        data = data.filter(lambda t: t in accepted, input_columns=task_col)
+        data = _rows_where(data, task_col, accepted)
     if limit is not None:
         data = data.select(range(min(limit, len(data))))
     return [_longbench_row(row, i, task, thudm, where) for i, row in enumerate(data)]

@@ -72,14 +72,16 @@ def test_ruler_round_trip_per_length_folder(tmp_path):
     assert len({e.id for e in examples}) == 4
 
 
-def test_ruler_task_filter_and_limit(tmp_path):
+def test_ruler_task_filter_and_limit(tmp_path, capfd):
     path = _save(_ruler_rows(), tmp_path / "ruler4k")  # a plain Dataset, not a per-length folder
+    capfd.readouterr()
     assert [e.task for e in load_ruler(4096, tasks="niah_single_1", source=path)] == \
         ["niah_single_1"] * 2
     assert [e.task for e in load_ruler(4096, tasks=["vt", "qa_1"], source=path)] == ["vt", "qa_1"]
     assert [e.answers for e in load_ruler(4096, source=path, limit=2)] == [["v0", "w0"],
                                                                           ["v1", "w1"]]
     assert load_ruler(4096, source=path, limit=0) == []
+    assert capfd.readouterr().err == ""  # the task filter draws no progress bar
 
 
 def test_ruler_accepts_answers_column(tmp_path):
