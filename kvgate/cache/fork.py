@@ -1,4 +1,5 @@
-"""Forks of a filled ``CompressedCache``: one compressed context, many continuations.
+"""Forks of a filled ``CompressedCache``: one compressed context, many continuations; and
+``stack_caches``: several filled caches of one context as the rows of one batch.
 
 A fork shares the kept keys/values with its source (``RaggedStore.fork``: the store never
 writes into a tensor it holds) and clones the small per-layer state, so each fork may take
@@ -8,11 +9,15 @@ new tokens, decode and evict without the source or its other forks seeing any of
 from __future__ import annotations
 
 import copy
+from collections.abc import Sequence
 
+import torch
 from torch import Tensor
 
 from kvgate.cache.compressed import CompressedCache, _Layer
 from kvgate.cache.errors import CacheError
+from kvgate.cache.ragged import RaggedStore
+from kvgate.policies.contract import DecodeEvicting
 
 
 def _fork_layer(layer: _Layer) -> _Layer:
@@ -46,3 +51,45 @@ def grow_capacity(cache: CompressedCache, extra: Tensor) -> None:
     for layer in cache.layers:
         if layer.capacity is not None:
             layer.capacity = layer.capacity + extra.to(layer.capacity)[:, None]
+
+
+def stack_caches(caches: Sequence[CompressedCache]) -> CompressedCache:
+    """The rows of several filled caches of the same prompt length as one batch, so their
+    continuations decode together (one forward per token for all of them).
+
+    Made for one context compressed under several policies or budgets (``SharedPrefill``):
+    every cache must have seen the same tokens; a decode-evicting policy only stacks with its
+    own policy object (the batch decodes under one policy). The stacked cache shares the
+    caches' K/V; nothing of theirs is modified.
+    """
+    if not caches or any(not isinstance(c, CompressedCache) for c in caches):
+        raise CacheError("stack_caches takes a non-empty list of CompressedCache")
+    lead = caches[0]
+    evicting = [c for c in caches if isinstance(c.policy, DecodeEvicting)]
+    if evicting and any(c.policy is not lead.policy for c in caches):
+        raise CacheError("a decode-evicting policy's cache stacks only with caches of the same "
+                         "policy object (the batch decodes under one policy)")
+    for c in caches:
+        if c.num_layers != lead.num_layers or any(
+                a.store is None or a.pending or a.store.tail_len or a.seen != b.seen
+                for a, b in zip(c.layers, lead.layers)):
+            raise CacheError("stack_caches needs filled caches of the same model, prompt length "
+                             "and nothing appended since the prefill")
+    twin = copy.copy(lead)
+    twin.layers = [_stack_layers([c.layers[i] for c in caches]) for i in range(lead.num_layers)]
+    return twin
+
+
+def _stack_layers(layers: list[_Layer]) -> _Layer:
+    store = RaggedStore.concat([la.store for la in layers])
+    stats = {}
+    for key in layers[0].stats:
+        # per-slot statistics follow each sample's base layout: pad to the stacked one
+        parts = [la.stats[key] for la in layers]
+        stats[key] = torch.cat([torch.nn.functional.pad(p, (0, store.base_len - p.shape[-1]))
+                                for p in parts])
+    capacity = (None if layers[0].capacity is None
+                else torch.cat([la.capacity for la in layers]))
+    return _Layer(store=store, seen=layers[0].seen,
+                  real_seen=torch.cat([la.real_seen for la in layers]),
+                  capacity=capacity, stats=stats)

@@ -88,6 +88,26 @@ class RaggedStore:
         """
         return copy.copy(self)
 
+    @classmethod
+    def concat(cls, stores: list[RaggedStore]) -> RaggedStore:
+        """One store holding the samples of ``stores`` in order (their tails must be empty, as
+        right after a prefill): the flat base is segment-sorted, so the samples' entries simply
+        follow each other. Shares nothing it could write into (``append`` / ``rebuild`` bind
+        new tensors)."""
+        first = stores[0]
+        if any(s.tail_len or (s.kv_heads, s.head_dim, s.dtype, s.device)
+               != (first.kv_heads, first.head_dim, first.dtype, first.device) for s in stores):
+            raise ValueError("RaggedStore.concat needs stores of one layout with empty tails")
+        out = cls(sum(s.batch for s in stores), first.kv_heads, first.head_dim, first.dtype,
+                  first.device)
+        out.keys = torch.cat([s.keys for s in stores])
+        out.values = torch.cat([s.values for s in stores])
+        out.pos = torch.cat([s.pos for s in stores])
+        out.counts = torch.cat([s.counts for s in stores])
+        lo, hi = torch.aminmax(out.counts)
+        out._base_len, out._uniform = int(hi), bool(lo == hi)
+        return out
+
     # ------------------------------------------------------------------ writing
 
     def append(self, keys: Tensor, values: Tensor, pos: Tensor, padded: bool | None = None) -> None:

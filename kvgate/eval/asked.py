@@ -21,6 +21,7 @@ from torch import nn
 
 from kvgate.eval.masked import model_shape, pad_id
 from kvgate.policies.base import Budget, Policy
+from kvgate.policies.contract import DecodeEvicting
 
 
 @dataclass(frozen=True)
@@ -58,27 +59,41 @@ def compress_shared_then_answer(model: nn.Module, tokenizer: Any, context: str, 
                                 answer_prefix: str | None, max_new_tokens: int,
                                 variants: Mapping[str, tuple[Policy, Budget]],
                                 chat: bool) -> dict[str, Asked]:
-    """:func:`compress_then_answer` for several one-shot ``variants[name] = (policy, budget)``
-    from one shared prefill (``kvgate.inference.compress.compress_shared``): the same answers.
-    A variant's seconds are what it would take alone: the prefill less the other variants'
-    choosing, plus its answer."""
+    """:func:`compress_then_answer` for several one-shot ``variants[name] = (policy, budget)``:
+    one shared prefill (``kvgate.inference.compress.compress_shared``), then the question is
+    answered over every compressed cache at once, as the rows of one batch
+    (``kvgate.cache.fork.stack_caches``; a decode-evicting policy's budgets form a batch of
+    their own, decoded under it). The answers are each variant's own run's, up to the float
+    rounding a batch may change. A variant's seconds are its share of the run: the prefill
+    less the other variants' choosing, plus its batch's answer divided by the batch size."""
+    from kvgate.cache.fork import stack_caches
     from kvgate.inference import Engine
-    from kvgate.inference.compress import compress_shared
+    from kvgate.inference.compress import CompressedContext, answer_all, compress_shared
 
     layers, heads = model_shape(model)
     engine = Engine(model, tokenizer, "full", 1.0)
     t0 = time.perf_counter()
     compressed, own = compress_shared(engine, context, variants, chat=chat)
     prefill = time.perf_counter() - t0 - sum(own.values())
+    groups: dict[Any, list[str]] = {}
+    for name, (policy, _) in variants.items():
+        groups.setdefault(id(policy) if isinstance(policy, DecodeEvicting) else None,
+                          []).append(name)
     out = {}
-    for name, ctx in compressed.items():
+    for names in groups.values():
         t1 = time.perf_counter()
-        text = engine.answer(ctx, [question], max_new_tokens=max_new_tokens,
-                             answer_prefix=answer_prefix)[0]
-        seconds = prefill + own[name] + time.perf_counter() - t1
-        total = layers * heads * ctx.lengths[0]
-        out[name] = Asked(text, round(ctx.kept_fraction * total), total, seconds)
-    return out
+        one = compressed[names[0]]
+        rows = len(names)
+        batch = CompressedContext(stack_caches([compressed[n].cache for n in names]),
+                                  one.input_ids.expand(rows, -1), one.attention_mask.expand(rows, -1),
+                                  one.chat, one.suffix, one.contexts * rows)
+        texts, _ = answer_all(engine, batch, [[question]] * rows, max_new_tokens, answer_prefix)
+        share = (time.perf_counter() - t1) / rows
+        for name, text in zip(names, texts):
+            total = layers * heads * one.lengths[0]
+            kept = round(compressed[name].kept_fraction * total)
+            out[name] = Asked(text[0], kept, total, prefill + own[name] + share)
+    return {name: out[name] for name in variants}
 
 
 def prefill_then_decode(model: nn.Module, tokenizer: Any, ids: Sequence[int],

@@ -134,3 +134,50 @@ def _a_prompt(model, ids, mask):
     kv = torch.zeros(b, hk, n, d)
     return LayerPrompt(0, model.config.num_hidden_layers, torch.zeros(b, 4, n, d), kv, kv,
                        mask.bool(), d ** -0.5)
+
+
+def _greedy(model, cache, first, mask, pos, steps=5):
+    out, logits = [], first
+    with torch.no_grad():
+        for _ in range(steps):
+            nxt = logits.argmax(-1, keepdim=True)
+            out.append(nxt)
+            mask = torch.cat([mask, torch.ones_like(nxt)], dim=1)
+            pos = pos[:, -1:] + 1
+            logits = model(nxt, attention_mask=mask, position_ids=pos,
+                           past_key_values=cache).logits[:, -1]
+    return torch.cat(out, dim=1)
+
+
+def test_stacked_caches_decode_as_each_alone(model):
+    """The caches one prompt left under several policies and budgets, stacked as the rows of
+    one batch, continue exactly as each does alone; H2O (decode-evicting) stacks only with its
+    own policy object; the originals are untouched."""
+    from kvgate.cache.fork import fork_cache, stack_caches
+
+    ids, mask, pos = _batch()
+    ids, mask, pos = ids[:1], mask[:1], pos[:1]
+    h2o = get_policy("h2o", **SMALL["h2o"])
+    variants = {"snap": (get_policy("snapkv", window=4), 0.5), "knorm": (get_policy("knorm"), 0.3),
+                "full": (get_policy("full"), 1.0), "pyr": (get_policy("pyramidkv", window=4), 0.5),
+                "h2o_a": (h2o, 0.5), "h2o_b": (h2o, 0.25)}
+    shared = SharedPrefill(model, variants)
+    first = _prefill(model, shared, ids, mask, pos)[:, -1]
+    counts = {n: [la.store.kept_counts().clone() for la in c.layers]
+              for n, c in shared.caches.items()}
+    for names in (["snap", "knorm", "full", "pyr"], ["h2o_a", "h2o_b"]):
+        rows = len(names)
+        stacked = stack_caches([shared.caches[n] for n in names])
+        got = _greedy(model, stacked, first.expand(rows, -1), mask.expand(rows, -1),
+                      pos.expand(rows, -1))
+        for row, n in enumerate(names):
+            alone = _greedy(model, fork_cache(shared.caches[n]), first, mask, pos)
+            assert got[row].tolist() == alone[0].tolist(), n
+    for n, c in shared.caches.items():  # stacking and decoding left the caches as they were
+        assert all(torch.equal(a, la.store.kept_counts()) for a, la in zip(counts[n], c.layers))
+    with pytest.raises(CacheError, match="same policy object"):
+        stack_caches([shared.caches["h2o_a"], shared.caches["snap"]])
+    other = CompressedCache(model, get_policy("full"), 1.0)
+    _prefill(model, other, ids[:, 3:], mask[:, 3:], pos[:, 3:] - 3)
+    with pytest.raises(CacheError, match="same model, prompt length"):
+        stack_caches([shared.caches["snap"], other])
