@@ -5,7 +5,9 @@
         --tasks niah_single_1,niah_single_2,niah_multikey_1,qa_1 --lengths 1024,2048,4096
 
 A folder given as NAME=DIR prefixes its gate rows with NAME (two gates both run as
-`attention_gate`). Prints: the average over the task families per (policy, budget, mode) and
+`attention_gate`). Prints: one row per policy with a column per length and eviction level (25 /
+50 / 75 %: the budgets 0.75 / 0.5 / 0.25 kept; a gate at its own keep threshold goes to the
+level nearest its eviction, which the cell gives); the average over the task families per (policy, budget, mode) and
 length, with its 95% interval (bootstrap within each family), %Evict and the seconds per
 example (not side by side: the runs shared the machine with different jobs; the ratios to the
 full cache are bench/bench_long_context.py's); the per-family scores at one budget; and the issue-#34 targets:
@@ -48,6 +50,57 @@ def fmt(x: float, d: int = 1) -> str:
     return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.{d}f}"
 
 
+LEVELS = (25, 50, 75)  # % evicted: the heuristics' budgets 0.75 / 0.5 / 0.25 kept
+
+
+def _level(label: str, budget: str, evict: float) -> int | None:
+    """The eviction column of a setting: a budget's, or for a gate run at its own threshold the
+    level nearest to what it evicted; None for the full cache (one value per length)."""
+    if label == "full":
+        return None
+    if budget != "none":
+        return round(100 * (1 - float(budget)))
+    return min(LEVELS, key=lambda v: abs(v - evict))
+
+
+def _row_name(label: str, budget: str, mode: str) -> str:
+    base = label.rsplit(":", 1)
+    if len(base) == 2 and budget == "none":  # NAME:attention_gate or NAME:gate_tauXX
+        return f"{base[0]} gate (threshold)"
+    if len(base) == 2:
+        return f"{base[0]} gate ({base[1]})"
+    return label if mode == "agnostic" else f"{label} ({mode})"
+
+
+def wide_table(cell: dict, settings: list, tasks: list[str], lengths: list[int]) -> None:
+    """One row per policy, a column per (length, eviction level): the family average with its
+    95% interval; a gate at its own threshold also gives the eviction it reached."""
+    table: dict[str, dict[tuple[int, int | None], str]] = {}
+    for label, budget, mode in settings:
+        for n in lengths:
+            got = [cell.get((label, budget, mode, n, f)) for f in tasks]
+            if any(g is None for g in got):
+                continue
+            ev = sum(g["evict_pct"] for g in got) / len(got)
+            lo, hi = stratified_interval([[float(e["score"]) for e in g["ex"].values()]
+                                          for g in got])
+            acc = sum(g["acc"] for g in got) / len(got)
+            text = f"{fmt(acc, 0)} [{fmt(lo, 0)}, {fmt(hi, 0)}]"
+            if budget == "none" and label != "full":
+                text += f" @{fmt(ev, 0)}%"
+            table.setdefault(_row_name(label, budget, mode), {})[(n, _level(label, budget, ev))] = text
+    cols = [(n, v) for n in lengths for v in LEVELS]
+    print("| policy | " + " | ".join(f"{n} @{v}%" for n, v in cols) + " |")
+    print("|" + "---|" * (1 + len(cols)))
+    for name, row in table.items():
+        if name == "full":  # nothing evicted: its score once per length, in the middle
+            print("| full | " + " | ".join(row.get((n, None), "-") if v == 50 else ""
+                                          for n, v in cols) + " |")
+            continue
+        print(f"| {name} | " + " | ".join(row.get(c, "-") for c in cols) + " |")
+    print()
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("folders", nargs="+", help="DIR or NAME=DIR")
@@ -67,6 +120,7 @@ def main(argv=None) -> None:
         return None if r is None else {k: float(e["score"]) for k, e in r["ex"].items()}
 
     print(f"families: {', '.join(tasks)}\n")
+    wide_table(cell, settings, tasks, lengths)
     head = "| policy | budget | mode | " + " | ".join(
         f"{n} score [95% CI] | %Evict | s/ex" for n in lengths) + " |"
     print(head)

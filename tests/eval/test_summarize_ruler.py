@@ -49,3 +49,23 @@ def test_gap_to_the_best_heuristic_per_family(tmp_path, capsys):
     row = next(line for line in out.splitlines() if line.startswith("| long:attention_gate | 1024"))
     assert "| 2 | 50.0 |" in row and "a: snapkv 33" in row and "b: tova 33" in row
     assert "| 16.7 [" in row and row.endswith("| 2/2 |")
+
+
+def test_wide_table_one_row_per_policy_by_eviction_level(tmp_path, capsys):
+    """Budgets 0.75 / 0.5 / 0.25 fill the 25 / 50 / 75 % columns; a gate at a keep threshold
+    lands in the column nearest its eviction and says what it reached; the full cache once."""
+    heur = write(tmp_path / "h", [record("full", "none", "a", [100, 100, 0])] + [
+        record("snapkv", b, "a", s) for b, s in (("0.75", [100, 100, 100]), ("0.5", [100, 0, 0]),
+                                                 ("0.25", [0, 0, 0]))])
+    tau = record("gate_tau68", "none", "a", [100, 0, 0])
+    tau["spec"]["policy"], tau["evict_pct"] = "attention_gate", 71.0
+    gate = write(tmp_path / "g", [record("attention_gate", "none", "a", [100, 100, 0]), tau])
+    summarize_ruler.main([heur, f"long={gate}", "--tasks", "a", "--lengths", "1024"])
+    out = capsys.readouterr().out
+    assert "| policy | 1024 @25% | 1024 @50% | 1024 @75% |" in out
+    assert "| full |  | 67 [" in out
+    assert "| snapkv | 100 [100, 100] | 33 [" in out and "| 0 [0, 0] |" in out
+    row = next(line for line in out.splitlines() if line.startswith("| long gate (threshold)"))
+    cells = row.split(" | ")[1:]
+    assert cells[0] == "-" and cells[1].startswith("67 [") and cells[1].endswith("@50%")
+    assert cells[2].startswith("33 [") and cells[2].endswith("@71% |")
