@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 from abc import abstractmethod
+from collections.abc import Callable
 from dataclasses import fields, is_dataclass
 from typing import Any
 
@@ -225,37 +226,50 @@ def attention_sums(query: Tensor, key: Tensor, valid: Tensor, scaling: float, fi
     """
     if lse is not None and logit_scale is None:
         return _sums_from_lse(query, key, valid, scaling, first_row, row_weight, squares, lse)
+    cols = torch.arange(query.shape[2], device=query.device)
+
+    def probs(s: Tensor, start: int, end: int) -> Tensor:
+        s = s * scaling
+        if logit_scale is not None:
+            scale = logit_scale.float()
+            scale = (scale[:, None, None, None, None] if scale.dim() == 1
+                     else scale[:, None, None, start:end, None])
+            s = s * scale
+        allowed = (cols[None, :end] <= cols[start:end, None])[None] & valid[:, None, :end]
+        p = torch.nan_to_num(torch.softmax(s.masked_fill(~allowed[:, None, None], -math.inf),
+                                           dim=-1), nan=0.0)
+        if row_weight is not None:
+            p = p * row_weight[:, None, None, start:end, None].to(p.dtype)
+        return p
+
+    total, total_sq = _chunked_sums(query.float(), key, first_row, squares, probs)
+    return (total, total_sq) if squares else total
+
+
+def _chunked_sums(query: Tensor, key: Tensor, first_row: int, squares: bool,
+                  probs: Callable[[Tensor, int, int], Tensor]) -> tuple[Tensor, Tensor | None]:
+    """The row-chunk loop of ``attention_sums``: per chunk of rows ``[start, end)`` the logits
+    ``q . k`` over keys ``[0, end)`` (causal: later keys are never computed; query heads folded
+    into rows, so a KV head's keys serve its g heads unexpanded) as ``[B, H_kv, g, r, end]``,
+    turned into probabilities by ``probs(s, start, end)`` and summed over the rows."""
     b, h, n, d = query.shape
     hk = key.shape[1]
     g = h // hk
     k = key.float()
     q5 = query.view(b, hk, g, n, d)
-    cols = torch.arange(n, device=query.device)
     step = max(1, ROW_CHUNK_ELEMS // max(1, b * h * n))
     total = query.new_zeros((b, h, n), dtype=torch.float32)
     total_sq = query.new_zeros((b, h, n), dtype=torch.float32) if squares else None
     for start in range(max(0, first_row), n, step):
         end = min(n, start + step)
         r = end - start
-        rows = cols[start:end]
-        # causal: the chunk's rows see keys before `end` only, so the rest is never computed;
-        # query heads folded into rows, so a KV head's keys serve its g heads unexpanded
-        q = q5[:, :, :, start:end].float().reshape(b, hk, g * r, d)
-        s = torch.matmul(q, k[:, :, :end].transpose(-1, -2)).view(b, hk, g, r, end) * scaling
-        if logit_scale is not None:
-            scale = logit_scale.float()
-            scale = (scale[:, None, None, None, None] if scale.dim() == 1
-                     else scale[:, None, None, start:end, None])
-            s = s * scale
-        allowed = (cols[None, :end] <= rows[:, None])[None] & valid[:, None, :end]  # [B, r, e]
-        p = torch.nan_to_num(torch.softmax(s.masked_fill(~allowed[:, None, None], -math.inf),
-                                           dim=-1), nan=0.0)
-        if row_weight is not None:
-            p = p * row_weight[:, None, None, start:end, None].to(p.dtype)
+        q = q5[:, :, :, start:end].reshape(b, hk, g * r, d)
+        p = probs(torch.matmul(q, k[:, :, :end].transpose(-1, -2)).view(b, hk, g, r, end),
+                  start, end)
         total[..., :end] += p.sum(3).view(b, h, end)
         if total_sq is not None:
             total_sq[..., :end] += p.square().sum(3).view(b, h, end)
-    return (total, total_sq) if squares else total
+    return total, total_sq
 
 
 def _sums_from_lse(query: Tensor, key: Tensor, valid: Tensor, scaling: float, first_row: int,
@@ -264,29 +278,20 @@ def _sums_from_lse(query: Tensor, key: Tensor, valid: Tensor, scaling: float, fi
     """``attention_sums`` given each row's log-sum-exp: per row chunk one matmul, one
     subtraction and one exponential in place; only the chunk's diagonal block is masked (the
     keys after each row), padding rows weigh 0 and padding columns are zeroed at the end."""
-    b, h, n, d = query.shape
-    hk = key.shape[1]
-    g = h // hk
-    k = key.float()
-    q5 = (query.float() * scaling).view(b, hk, g, n, d)
+    b, _, n, _ = query.shape
     # a padding row's log-sum-exp set to +inf makes all its probabilities exp(-inf) = 0
-    lse5 = lse.float().masked_fill(~valid[:, None, :], math.inf).view(b, hk, g, n)
-    step = max(1, ROW_CHUNK_ELEMS // max(1, b * h * n))
-    total = query.new_zeros((b, h, n), dtype=torch.float32)
-    total_sq = query.new_zeros((b, h, n), dtype=torch.float32) if squares else None
-    for start in range(max(0, first_row), n, step):
-        end = min(n, start + step)
-        r = end - start
-        q = q5[:, :, :, start:end].reshape(b, hk, g * r, d)
-        p = torch.matmul(q, k[:, :, :end].transpose(-1, -2)).view(b, hk, g, r, end)
+    lse5 = lse.float().masked_fill(~valid[:, None, :], math.inf).view(b, key.shape[1], -1, n)
+
+    def probs(p: Tensor, start: int, end: int) -> Tensor:
         p.sub_(lse5[:, :, :, start:end, None]).exp_()
-        later = torch.ones(r, r, dtype=torch.bool, device=p.device).triu_(1)
+        later = torch.ones(end - start, end - start, dtype=torch.bool,
+                           device=p.device).triu_(1)
         p[..., start:end].masked_fill_(later, 0.0)  # causal: the block's own later keys
         if row_weight is not None:
             p.mul_(row_weight[:, None, None, start:end, None].to(p.dtype))
-        total[..., :end] += p.sum(3).view(b, h, end)
-        if total_sq is not None:
-            total_sq[..., :end] += p.square().sum(3).view(b, h, end)
+        return p
+
+    total, total_sq = _chunked_sums(query.float() * scaling, key, first_row, squares, probs)
     pad = ~valid[:, None, :]
     total.masked_fill_(pad, 0.0)
     if total_sq is not None:

@@ -93,16 +93,8 @@ def test_a_filled_cache_decodes_like_its_own(model):
     for n in names:
         want = model.generate(ids, attention_mask=mask, past_key_values=CompressedCache(
             model, get_policy(n, **SMALL.get(n, {})), 0.5), **gen)[:, ids.shape[1]:]
-        cache, out, logits, step_mask, step_pos = shared.caches[n], [], first, mask, pos
-        with torch.no_grad():
-            for _ in range(5):  # greedy decode steps over the filled cache
-                nxt = logits.argmax(-1, keepdim=True)
-                out.append(nxt)
-                step_mask = torch.cat([step_mask, torch.ones_like(nxt)], dim=1)
-                step_pos = step_pos[:, -1:] + 1
-                logits = model(nxt, attention_mask=step_mask, position_ids=step_pos,
-                               past_key_values=cache).logits[:, -1]
-        assert torch.cat(out, dim=1).tolist() == want.tolist(), n
+        got = _greedy(model, shared.caches[n], first, mask, pos)
+        assert got.tolist() == want.tolist(), n
 
 
 def test_refusals(model):
