@@ -481,47 +481,46 @@ case "${1:-all}" in
     # asked after compression; four RULER families where SmolLM2's full cache scores >= 30% at
     # 1k (a 13-family pilot: `--tasks all --lengths 1024 --policies full`), 3 examples per
     # (family, length), answers capped at 32 tokens. Parts a (heuristics) and b (gates, trained
-    # first if missing) run side by side, one thread each.
+    # first if missing) run side by side, one thread each; `bench` times them.
     rl=(--tasks niah_single_1,niah_single_2,niah_multikey_1,qa_1 --lengths 1024,2048,4096
         --limit 3 --max-new-tokens 32 --no-progress)
     case "$2" in
       # every one-shot heuristic at 25 / 50 / 75 % eviction from one prefill per example
-      # (SharedPrefill), then SnapKV query-aware and RoCo (a streamed prefill: alone)
+      # (SharedPrefill, answers batched), SnapKV query-aware, then RoCo (a streamed prefill,
+      # scored alone; at 4k about 6x the full cache's time, so 1k and 2k at 50 % only)
       a) kvgate eval ruler --model smollm2-135m "${rl[@]}" --budgets 0.5,0.25,0.75 \
            --policies full,snapkv,h2o,tova,streaming,knorm,random,pyramidkv,adakv,nacl,ahakv,window \
            --out $R/ruler/heuristics
          kvgate eval ruler --model smollm2-135m "${rl[@]}" --budgets 0.5 --query-aware \
            --policies snapkv --out $R/ruler/heuristics
-         kvgate eval ruler --model smollm2-135m "${rl[@]}" --budgets 0.5,0.25,0.75 \
+         kvgate eval ruler --model smollm2-135m "${rl[@]}" --lengths 1024,2048 --budgets 0.5 \
            --policies roco --out $R/ruler/heuristics ;;
-      # both gates as trained (keep threshold 0.5) and at thresholds that evict ~25 / ~75 %
-      # (gate_tauXX), then ranked at the heuristics' budgets (gate_rank)
+      # both gates as trained (keep threshold 0.5) and ranked at 50 % (gate_rank), then at
+      # thresholds that evict ~25-30 % and ~70-77 % (found on one niah_single_2 context at 1k
+      # and 4k; the table reports the eviction each reached)
       b) for g in cpt_long cpt_recipe; do
            [ -f runs/$g/gated/kvgate_config.json ] || kvgate train --config $g
          done
+         declare -A taus=([cpt_long]="27 68" [cpt_recipe]="27 60")
          for g in cpt_long cpt_recipe; do
            kvgate eval ruler --checkpoint runs/$g/gated "${rl[@]}" --budgets 0.5 \
              --policies attention_gate,gate_rank=gate_hybrid --policy-opt gate_rank.rank=true \
              --out $R/ruler/$g
-         done
-         # keep thresholds found on one niah_single_2 context at 1k and 4k (~25-30 % and
-         # ~70-77 % eviction); the table reports the eviction each reached
-         declare -A taus=([cpt_long]="27 68" [cpt_recipe]="27 60")
-         for g in cpt_long cpt_recipe; do
            pols=() opts=()
            for t in ${taus[$g]}; do
              pols+=("gate_tau$t=attention_gate"); opts+=(--policy-opt "gate_tau$t.tau=0.$t")
            done
            kvgate eval ruler --checkpoint runs/$g/gated "${rl[@]}" \
              --policies "$(IFS=,; echo "${pols[*]}")" "${opts[@]}" --out $R/ruler/$g
-         done
-         for g in cpt_long cpt_recipe; do
-           kvgate eval ruler --checkpoint runs/$g/gated "${rl[@]}" --budgets 0.25,0.75 \
-             --policies gate_rank=gate_hybrid --policy-opt gate_rank.rank=true --out $R/ruler/$g
          done ;;
+      # compress + answer over the full cache's time, every policy, the trained cpt_long gate
       bench) python bench/bench_long_context.py --lengths 1024,2048,4096 --repeats 2 --threads 1 \
            --policies full,snapkv,h2o,tova,streaming,knorm,attention_gate \
-           --checkpoint runs/cpt_long/gated --profile --json $R/bench_long_context/blocked.json ;;
+           --checkpoint runs/cpt_long/gated --profile --json $R/bench_long_context/blocked.json
+         python bench/bench_long_context.py --lengths 1024,2048,4096 --repeats 2 --threads 1 \
+           --policies full,h2o,pyramidkv,adakv,nacl,ahakv,window,random,roco,attention_gate \
+           --checkpoint runs/cpt_long/gated --json $R/bench_long_context/all_policies.json ;;
+      *) echo "ruler: PART must be a, b or bench" >&2; exit 2 ;;
     esac
     python experiments/summarize_ruler.py $R/ruler/heuristics cpt_long=$R/ruler/cpt_long \
       cpt_recipe=$R/ruler/cpt_recipe --tasks niah_single_1,niah_single_2,niah_multikey_1,qa_1 ;;
