@@ -281,7 +281,7 @@ class CompressedCache(Cache, AttentionHandler):
             self._store_kept(layer, prompt, self._keep(prompt))
         else:
             keep = self._keep(prompt)
-            band = prefill_band(self.policy)  # read after keep(): the gate decides per model
+            band = prefill_band(self.policy, prompt)
             if band is not None:
                 out = eq5_attention(query, key, value, mask, valid, keep, scaling, band, window)
             else:
@@ -325,7 +325,7 @@ class CompressedCache(Cache, AttentionHandler):
                               "so it cannot share a full prefill")
         b, hk, _, d = prompt.key.shape
         keep = self._keep(prompt)
-        if prefill_band(self.policy) is not None:
+        if prefill_band(self.policy, prompt) is not None:
             raise PolicyError(f"policy {self.policy.name!r} encodes the prompt under its keep "
                               "mask (eq. 5), so it cannot share a full prefill")
         layer.store = RaggedStore(b, hk, d, prompt.key.dtype, prompt.key.device)

@@ -304,7 +304,7 @@ class MaskedScoringCache(Cache, AttentionHandler):
             self.keeps[module.layer_idx] = keep.cpu()
         window = kwargs.get("sliding_window") or None
         ctx_mask = None if attention_mask is None else attention_mask[..., :c, :c]
-        band = prefill_band(self.policy)  # read after keep: the gate sets it from its config
+        band = prefill_band(self.policy, prompt)
         if band is not None:
             out_ctx = eq5_attention(qc, kc, vc, ctx_mask, valid, keep, scaling, band, window)
         else:

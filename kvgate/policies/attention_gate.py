@@ -83,9 +83,7 @@ class AttentionGatePolicy(EncodeMasking):
         return (flags | self.protected(prompt)) & prompt.valid[:, None, :]
 
     def gate_config(self, prompt: LayerPrompt) -> Any:
-        """The layer's ``GateConfig`` after checking that the prompt can run its gate; sets how
-        this prompt is encoded (``encode_mask``, ``encode_recent``), which the cache reads
-        after ``keep``."""
+        """The layer's ``GateConfig`` after checking that the prompt can run its gate."""
         module = prompt.module
         if module is None or not hasattr(module, "kv_gate"):
             raise PolicyError(f"policy {self.name} needs a gated model: load an exported "
@@ -96,12 +94,14 @@ class AttentionGatePolicy(EncodeMasking):
         if config.rope and prompt.position_embeddings is None:
             raise PolicyError(f"policy {self.name} needs the forward's rotary tables "
                               "(LayerPrompt.position_embeddings): the gate rotates its q/k")
-        # "full" makes this a one-shot policy (full prefill attention, then the cache keeps
-        # the flagged entries); "gated" must show each query its last `recent` keys inside the
-        # prefill, as training did
-        self.encode_mask = (self.prefill or config.prefill) == "gated"
-        self.encode_recent = config.recent
         return config
+
+    def encode_band(self, prompt: LayerPrompt) -> int | None:
+        """``prefill="full"`` makes this a one-shot policy (full prefill attention, then the
+        cache keeps the flagged entries); ``"gated"`` shows each query its last ``recent`` keys
+        inside the prefill, as training did."""
+        config = self.gate_config(prompt)
+        return config.recent if (self.prefill or config.prefill) == "gated" else None
 
     def protected(self, prompt: LayerPrompt) -> Tensor:
         """[B, 1, n] bool: the last ``recent`` prompt tokens of the gate's config (every later

@@ -203,18 +203,21 @@ class StreamingPrefill(DecodeEvicting):
 
 class EncodeMasking(Policy):
     """A policy whose keep mask is applied inside the prefill (Attention-Gate eq. 5): prompt
-    row j sees key t only if t is kept or ``j - t < max(encode_recent, 1)``. Both attributes
-    may be set per instance by ``keep`` (the learned gate reads them from its trained
-    configuration); read them after ``keep``. With ``encode_mask`` False the prompt is encoded
-    with full attention and only the stored cache is compressed, as for one-shot policies."""
+    row j sees key t only if t is kept or ``j - t < max(band, 1)``. ``encode_band(prompt)``
+    says, for one layer's prompt, whether that happens and with which band: by default the
+    class's ``encode_mask`` / ``encode_recent``; the learned gate reads its layer's trained
+    configuration. None: the prompt is encoded with full attention and only the stored cache
+    is compressed, as for one-shot policies."""
 
     encode_mask: bool = True
     encode_recent: int = 0  # prompt keys within this distance stay visible inside the prefill
 
+    def encode_band(self, prompt: LayerPrompt) -> int | None:
+        """The recent band of this prompt's eq. 5 prefill, or None for a full prefill."""
+        return int(self.encode_recent) if self.encode_mask else None
 
-def prefill_band(policy: Policy) -> int | None:
-    """The recent band of the eq. 5 prefill mask when ``policy`` encodes the prompt under its
-    keep mask (read after ``keep``); None when the prefill attends fully."""
-    if isinstance(policy, EncodeMasking) and policy.encode_mask:
-        return int(policy.encode_recent)
-    return None
+
+def prefill_band(policy: Policy, prompt: LayerPrompt) -> int | None:
+    """The recent band of the eq. 5 prefill mask when ``policy`` encodes ``prompt`` under its
+    keep mask; None when the prefill attends fully (every policy but an ``EncodeMasking``)."""
+    return policy.encode_band(prompt) if isinstance(policy, EncodeMasking) else None

@@ -159,7 +159,11 @@ def test_full_prefill_gate_masked_equals_training_forward(tiny_llama, recent, mo
     item = random_items(1, seed=9, choices=1, lo=12, hi=13)[0]
     policy = get_policy("attention_gate")
     masked, _ = masked_scores(tiny_llama, [item], policy, [HALF])
-    assert policy.encode_mask is False
+    attn = next(m for m in tiny_llama.modules() if hasattr(m, "kv_gate"))
+    prompt = LayerPrompt(0, 1, torch.zeros(1, 1, 2, 2), torch.zeros(1, 1, 2, 2),
+                         torch.zeros(1, 1, 2, 2), torch.ones(1, 2, dtype=torch.bool), 1.0,
+                         torch.zeros(1, 2, 4), attn, (torch.ones(1, 2, 2), torch.zeros(1, 2, 2)))
+    assert policy.encode_band(prompt) is None  # one-shot: the prefill attends fully
     assert masked[0].loglik[0] == pytest.approx(_training_forward_loglik(tiny_llama, item), abs=1e-4)
     assert masked[0].evict > 0
 

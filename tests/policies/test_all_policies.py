@@ -214,9 +214,27 @@ def test_declared_contracts():
     assert [n for n, cls in POLICIES.items() if issubclass(cls, StreamingPrefill)] == ["roco"]
     assert POLICIES["roco"]().block >= 1
     assert {n for n, cls in POLICIES.items() if issubclass(cls, EncodeMasking)} == LEARNED
-    assert prefill_band(get_policy("attention_gate")) == 0  # eq. 5 until keep() reads the gate
-    assert all(prefill_band(build(name)) is None for name in NAMES)
+    prompt = make_prompt()
+    assert all(prefill_band(build(name), prompt) is None for name in NAMES)
     assert not any(build(name).encode_mask for name in NAMES)
+
+
+@pytest.mark.parametrize("trained, option, band", [("gated", None, 3), ("full", None, None),
+                                                   ("gated", "full", None), ("full", "gated", 3)])
+def test_the_gates_prefill_band_comes_from_its_layer_not_from_state(trained, option, band):
+    """The learned gate encodes under eq. 5 with its trained band unless it or its run says
+    ``prefill="full"``; read from the prompt's layer each time, nothing kept on the policy."""
+    from types import SimpleNamespace
+
+    from kvgate.gate import GateConfig
+
+    gate = SimpleNamespace(config=GateConfig(recent=3, prefill=trained, rope=False))
+    prompt = make_prompt()
+    prompt.module, prompt.hidden = SimpleNamespace(kv_gate=gate), prompt.query[:, 0]
+    policy = get_policy("attention_gate", prefill=option)
+    before = dict(vars(policy))
+    assert prefill_band(policy, prompt) == band
+    assert vars(policy) == before
 
 
 def test_a_decode_policy_must_define_both_hooks():

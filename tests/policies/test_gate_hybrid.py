@@ -22,7 +22,8 @@ def model():
 
 
 def _spy_gate(**options):
-    """A gate_hybrid policy that records each layer's prompt and keep mask in ``seen``."""
+    """A gate_hybrid policy that records each layer's prompt and keep mask in ``seen``, and
+    the prefill band the cache read in ``bands``."""
 
     class Spy(GateHybrid):
         def keep(self, prompt, budget=None):
@@ -30,8 +31,12 @@ def _spy_gate(**options):
             self.seen.append((prompt, kept))
             return kept
 
+        def encode_band(self, prompt):
+            self.bands.append(super().encode_band(prompt))
+            return self.bands[-1]
+
     spy = Spy(**options)
-    spy.seen = []
+    spy.seen, spy.bands = [], []
     return spy
 
 
@@ -126,7 +131,7 @@ def test_select_keeps_the_gates_counts_with_the_heuristics_entries(model, select
                     assert torch.equal(kept[b, h], alone[b, h]), (layer, b, h)
             some_moved = some_moved or bool((kept != f).any())
         assert some_moved  # the heuristic chose other entries than the gate somewhere
-        assert not spy.encode_mask and spy.needs_attention
+        assert set(spy.bands) == {None} and spy.needs_attention  # a full prefill
 
 
 def test_select_is_checked():
