@@ -32,6 +32,7 @@ from transformers.cache_utils import Cache
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from kvgate.attention.decode import KVPart, multipart_attention
+from kvgate.cache.capacity import check_decode_budget, decode_capacity
 from kvgate.cache.errors import CacheError
 from kvgate.cache.prefill import (
     causal_attention_lse,
@@ -112,7 +113,7 @@ class CompressedCache(Cache, AttentionHandler):
                               "attention backend cannot give")
         self.policy = policy
         self.budget = Budget.parse(budget)
-        self.decode_budget = _check_decode_budget(decode_budget)
+        self.decode_budget = check_decode_budget(decode_budget)
         super().__init__(layers=[_Layer() for _ in range(self.num_layers)])
 
     # ----------------------------------------------------------------- transformers API
@@ -312,27 +313,6 @@ class CompressedCache(Cache, AttentionHandler):
             layer.stats = {k: layer.store.realign(v, kept) for k, v in stats.items()}
         layer.seen, layer.real_seen = prompt.key.shape[2], prompt.n_real
 
-    def store_prompt(self, prompt: LayerPrompt) -> None:
-        """Fill one layer from a prompt that was encoded elsewhere with full attention: this
-        cache's policy chooses, nothing is attended (``kvgate.cache.shared`` runs one prefill
-        for several one-shot policies this way). Refused for a policy whose prefill differs
-        from a full one (streamed, or encoded under its keep mask)."""
-        layer = self._layer(prompt.layer_idx)
-        if layer.store is not None:
-            raise CacheError(f"layer {prompt.layer_idx} is already filled; use a new cache")
-        if isinstance(self.policy, StreamingPrefill):
-            raise PolicyError(f"policy {self.policy.name!r} streams the prompt block by block, "
-                              "so it cannot share a full prefill")
-        b, hk, _, d = prompt.key.shape
-        keep = self._keep(prompt)
-        if prefill_band(self.policy, prompt) is not None:
-            raise PolicyError(f"policy {self.policy.name!r} encodes the prompt under its keep "
-                              "mask (eq. 5), so it cannot share a full prefill")
-        layer.store = RaggedStore(b, hk, d, prompt.key.dtype, prompt.key.device)
-        layer.real_seen = torch.zeros(b, dtype=torch.long, device=prompt.key.device)
-        self._store_kept(layer, prompt, keep)
-        layer.capacity = self._decode_capacity(layer.store.kept_counts(), prompt.n_real)
-
     def _stream_prefill(self, layer: _Layer, prompt: LayerPrompt, mask: Tensor | None,
                         window: int | None, kwargs: dict) -> Tensor:
         """Evict-while-encoding in blocks of ``policy.block`` rows (RoCo-style), per layer.
@@ -459,29 +439,8 @@ class CompressedCache(Cache, AttentionHandler):
         return keep.to(torch.bool) & prompt.valid[:, None, :]
 
     def _decode_capacity(self, counts: Tensor, n_real: Tensor) -> Tensor:
-        db = self.decode_budget
-        if db is None:
-            return counts.clone()
-        if isinstance(db, int):
-            return torch.full_like(counts, db)
-        per = torch.ceil(n_real.to(torch.float64) * db - 1e-9).long().clamp(min=1)
-        return per[:, None].expand_as(counts).clone()
+        return decode_capacity(self.decode_budget, counts, n_real)
 
     def __repr__(self) -> str:
         return (f"CompressedCache(policy={self.policy.name!r}, budget={self.budget.describe()}, "
                 f"layers={self.num_layers}, kv_heads={self.kv_heads})")
-
-
-def _check_decode_budget(value: Budget | float | None) -> float | None:
-    """None, an int token count >= 1, or a ratio in (0, 1]."""
-    if value is None:
-        return None
-    if isinstance(value, Budget):
-        return value.tokens if value.tokens is not None else float(value.ratio)
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise PolicyError(f"decode_budget must be None, a token count or a ratio, got {value!r}")
-    if isinstance(value, int) and value > 1:
-        return value
-    if 0.0 < float(value) <= 1.0:
-        return float(value)
-    raise PolicyError(f"decode_budget ratio must lie in (0, 1] (or give tokens > 1), got {value}")

@@ -22,11 +22,20 @@ from collections.abc import Mapping
 from dataclasses import replace
 from typing import Any
 
+import torch
 from torch import Tensor, nn
 
 from kvgate.cache.compressed import CompressedCache, _Layer
 from kvgate.cache.errors import CacheError
-from kvgate.policies.contract import Budget, LayerPrompt, Policy, PolicyError, StreamingPrefill
+from kvgate.cache.ragged import RaggedStore
+from kvgate.policies.contract import (
+    Budget,
+    LayerPrompt,
+    Policy,
+    PolicyError,
+    StreamingPrefill,
+    prefill_band,
+)
 from kvgate.policies.full import Full
 
 
@@ -66,10 +75,31 @@ class SharedPrefill(CompressedCache):
         for name, cache in self.caches.items():
             t0 = time.perf_counter()
             view = views.setdefault(id(cache.policy), replace(prompt))
-            cache.store_prompt(view)
+            _fill_layer(cache, view)
             self.seconds[name] += time.perf_counter() - t0
         return out
 
     def _step(self, layer: _Layer, *args: Any, **kwargs: Any) -> Tensor:
         raise CacheError("a SharedPrefill serves one prefill; continue on one of its .caches "
                          "(fork it with kvgate.cache.fork.fork_cache)")
+
+
+def _fill_layer(cache: CompressedCache, prompt: LayerPrompt) -> None:
+    """Fill one layer of ``cache`` from a prompt encoded with full attention elsewhere: its
+    policy chooses, nothing is attended. Refused for a policy whose prefill differs from a
+    full one (streamed, or encoded under its keep mask)."""
+    layer = cache._layer(prompt.layer_idx)
+    if layer.store is not None:
+        raise CacheError(f"layer {prompt.layer_idx} is already filled; use a new cache")
+    if isinstance(cache.policy, StreamingPrefill):
+        raise PolicyError(f"policy {cache.policy.name!r} streams the prompt block by block, "
+                          "so it cannot share a full prefill")
+    b, hk, _, d = prompt.key.shape
+    keep = cache._keep(prompt)
+    if prefill_band(cache.policy, prompt) is not None:
+        raise PolicyError(f"policy {cache.policy.name!r} encodes the prompt under its keep "
+                          "mask (eq. 5), so it cannot share a full prefill")
+    layer.store = RaggedStore(b, hk, d, prompt.key.dtype, prompt.key.device)
+    layer.real_seen = torch.zeros(b, dtype=torch.long, device=prompt.key.device)
+    cache._store_kept(layer, prompt, keep)
+    layer.capacity = cache._decode_capacity(layer.store.kept_counts(), prompt.n_real)

@@ -8,7 +8,7 @@ import torch
 from conftest import build, tiny_mistral_config
 
 from kvgate.cache import CacheError, CompressedCache
-from kvgate.cache.shared import SharedPrefill
+from kvgate.cache.shared import SharedPrefill, _fill_layer
 from kvgate.policies import get_policy, list_policies
 from kvgate.policies.base import Budget, PolicyError
 from kvgate.policies.contract import EncodeMasking, StreamingPrefill
@@ -114,7 +114,7 @@ def test_refusals(model):
     with pytest.raises(CacheError, match="one prefill"):
         _prefill(model, shared, ids[:, :1], torch.cat([mask, mask[:, :1]], 1), pos[:, -1:] + 1)
     with pytest.raises(CacheError, match="already filled"):
-        shared.caches["s"].store_prompt(_a_prompt(model, ids, mask))
+        _fill_layer(shared.caches["s"], _a_prompt(model, ids, mask))
 
 
 def _a_prompt(model, ids, mask):
