@@ -77,7 +77,9 @@ def check(fns: dict, tensors, grad_out) -> None:
 def bench_shape(shape, device, fns: dict, repeats: int) -> dict:
     tensors = inputs(shape, device)
     grad_out = torch.randn_like(tensors[0]).mul_(0.1)
-    check(fns, tensors, grad_out)
+    t0 = time.perf_counter()
+    check(fns, tensors, grad_out)  # each regime's first call: compilation included
+    print(f"  first calls (compilation included): {time.perf_counter() - t0:.1f} s", flush=True)
     times = {name: [] for name in fns}
     peak = {}
     base = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0

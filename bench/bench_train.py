@@ -122,69 +122,17 @@ def _loss(module: KVGateModule, batch: dict) -> torch.Tensor:
     return module.objective(batch)[0]
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--base", default="smollm2-135m")
-    parser.add_argument("--steps", type=int, default=4, help="timed steps per regime")
-    parser.add_argument("--seq-len", type=int, default=512)
-    parser.add_argument("--batch", type=int, default=1)
-    parser.add_argument("--pair", choices=["lora", "materialised"], default="lora",
-                        help="what the gated run is compared with")
-    parser.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
-                        help="frozen base weights (gates and LoRA train in fp32)")
-    parser.add_argument("--files", nargs="*", default=None,
-                        help="local .txt/.jsonl documents instead of the embedded corpus")
-    parser.add_argument("--prefill", choices=["gated", "full"], default="gated",
-                        help="GateConfig.prefill: the paper's eq. 5, or one-shot gates")
-    parser.add_argument("--continuation", type=int, default=0,
-                        help="scored tokens at the end of each block (one-shot needs > 0)")
-    parser.add_argument("--recent", type=int, default=0, help="GateConfig.recent")
-    parser.add_argument("--sinks", type=int, default=0, help="GateConfig.sinks")
-    parser.add_argument("--distill-weight", type=float, default=0.0,
-                        help="recipe.distill_weight (the teacher's forward is part of a step)")
-    parser.add_argument("--lm-weight", type=float, default=1.0, help="recipe.lm_weight")
-    parser.add_argument("--flex", action="store_true",
-                        help="--pair materialised: also time kvgate on its FlexAttention kernel")
-    parser.add_argument("--bound", action="store_true",
-                        help="--pair materialised: also time the step with attention at ~no cost")
-    args = parser.parse_args()
-    if args.device.startswith("cuda") and not torch.cuda.is_available():
-        raise SystemExit(f"--device {args.device}: no CUDA device here")
-    if args.flex and not args.device.startswith("cuda"):
-        raise SystemExit("--flex: the FlexAttention kernel trains only on CUDA (no backward here)")
-    if args.prefill == "full" and not 0 < args.continuation < args.seq_len - 1:
-        raise SystemExit("--prefill full: set --continuation between 1 and --seq-len - 2")
-    gate = GateConfig(prefill=args.prefill, recent=args.recent, sinks=args.sinks)
-    recipe = {"distill_weight": args.distill_weight, "lm_weight": args.lm_weight}
-
-    def make(train: str):
-        return build(args.base, train, args.dtype, args.device, gate, recipe)
-
-    split = {}  # regime -> KVGateModule.split_prompt (default True)
-    if args.pair == "lora":
-        regimes = {"gates_lora": make("gates_lora"), "lora": make("lora")}
-        impl = {"gates_lora": "kvgate", "lora": "kvgate"}
-    else:
-        module, opt = make("gates")
-        # one module, several routes: identical weights, so only the computation differs
-        names = ["kvgate", "kvgate_whole", "materialised"] if args.prefill == "full" else [
-            "kvgate", "materialised"]
-        names += ["flex"] if args.flex else []
-        names += ["attention_free"] if args.bound else []
-        regimes = {name: (module, opt) for name in names}
-        impl = {name: name if name in IMPLEMENTATIONS else "kvgate" for name in names}
-        # the whole block, as the materialised regime runs it
-        split = {"kvgate_whole": False, "materialised": False, "attention_free": False}
+def measure(args, regimes: dict, impl: dict, split: dict, seq_len: int) -> None:
+    """Time every regime on the same batches of ``seq_len`` tokens, alternating, and print."""
     data = CPTDataModule(source="files" if args.files else "embedded", files=args.files,
-                         max_docs=200, seq_len=args.seq_len, batch_size=args.batch,
+                         max_docs=200, seq_len=seq_len, batch_size=args.batch,
                          val_fraction=0.0, continuation=args.continuation)
     data.tokenizer = next(iter(regimes.values()))[0].tokenizer
     blocks = data.train_dataset()
     n_batches = args.steps + 1
     if len(blocks) < n_batches * args.batch:
-        raise SystemExit(f"corpus too small for {n_batches} batches of {args.batch}x{args.seq_len}")
+        print(f"seq_len={seq_len}: corpus too small for {n_batches} batches of {args.batch}x{seq_len}")
+        return
     collate = data.collate_train(pad_id=0)  # blocks are never padded
     batches = [{k: v.to(args.device) for k, v in
                 collate([blocks[i * args.batch + j] for j in range(args.batch)]).items()}
@@ -205,20 +153,24 @@ def main() -> int:
             try:
                 with attention_impl(impl[name]):
                     took = step(module, opt, batch)
-            except torch.OutOfMemoryError:  # a result too: that regime does not fit
+            except Exception as exc:  # a result too: that regime does not fit / run here
+                if not isinstance(exc, torch.OutOfMemoryError) and impl[name] != "flex":
+                    raise
                 opt.zero_grad(set_to_none=True)
-                failed[name] = "out of memory"
-                torch.cuda.empty_cache()
+                failed[name] = ("out of memory" if isinstance(exc, torch.OutOfMemoryError)
+                                else f"failed: {type(exc).__name__}: {str(exc).splitlines()[0]}")
+                if cuda:
+                    torch.cuda.empty_cache()
                 continue
             if cuda:
                 peak[name] = max(peak[name], torch.cuda.max_memory_allocated(args.device))
             if i > 0:  # step 0 warms up allocators and kernels
                 seconds[name] += took
-    tokens = args.steps * args.batch * args.seq_len
+    tokens = args.steps * args.batch * seq_len
     tps = {name: tokens / s for name, s in seconds.items() if name not in failed}
     where = (torch.cuda.get_device_name(args.device) if cuda
              else f"cpu threads={torch.get_num_threads()}")
-    print(f"base={args.base} seq_len={args.seq_len} batch={args.batch} timed_steps={args.steps} "
+    print(f"base={args.base} seq_len={seq_len} batch={args.batch} timed_steps={args.steps} "
           f"dtype={args.dtype} device={where} prefill={args.prefill} "
           f"continuation={args.continuation} distill_weight={args.distill_weight}")
     for name in regimes:
@@ -227,26 +179,92 @@ def main() -> int:
             continue
         mem = f", peak {peak[name] / 2**30:.2f} GiB" if cuda else ""
         print(f"  {name:<14} {tps[name]:8.1f} tokens/s  ({seconds[name] / args.steps:.2f} s/step{mem})")
-    a, b = ("lora", "gates_lora") if args.pair == "lora" else ("kvgate", "materialised")
-    if failed:
-        print(f"no ratio: {', '.join(failed)} failed")
-    elif args.pair == "lora":
-        print(f"slowdown gates+LoRA vs LoRA-only: {tps[a] / tps[b]:.3f}x (target <= 1.35x)")
+    def ratio(x: str, y: str, what: str) -> str | None:
+        if x not in tps or y not in tps:
+            return None
+        mem = f"; peak memory {peak[x] / peak[y]:.2f}x" if cuda else ""
+        return f"{what}: {tps[x] / tps[y]:.3f}x{mem}"
+
+    if args.pair == "lora":
+        lines = [ratio("lora", "gates_lora", "slowdown gates+LoRA vs LoRA-only (target <= 1.35x)"),
+                 ratio("lora", "gates_lora_flex", "  same on the flex kernel")]
     else:
-        print(f"speed-up kvgate vs materialised gated attention: {tps[a] / tps[b]:.3f}x "
-              f"(target >= 2x)" + (f"; peak memory {peak[a] / peak[b]:.2f}x" if cuda else ""))
-        if "attention_free" in tps:
-            print(f"  ceiling, materialised vs attention_free (attention at no cost): "
-                  f"{tps['attention_free'] / tps[b]:.3f}x; kvgate reaches "
-                  f"{(tps[a] / tps[b] - 1) / (tps['attention_free'] / tps[b] - 1):.0%} of that gain")
-        if "flex" in tps:
-            print(f"  flex kernel vs materialised: {tps['flex'] / tps[b]:.3f}x; vs kvgate: "
-                  f"{tps['flex'] / tps[a]:.3f}x" + (f"; peak memory vs materialised "
-                                                    f"{peak['flex'] / peak[b]:.2f}x" if cuda else ""))
-        if "kvgate_whole" in tps:
-            print(f"  of which two passes (kvgate vs kvgate_whole): "
-                  f"{tps['kvgate'] / tps['kvgate_whole']:.3f}x; kernel (kvgate_whole vs "
-                  f"materialised): {tps['kvgate_whole'] / tps[b]:.3f}x")
+        lines = [ratio("kvgate", "materialised",
+                       "speed-up kvgate vs materialised gated attention (target >= 2x)"),
+                 ratio("flex", "materialised", "  flex kernel vs materialised"),
+                 ratio("flex", "kvgate", "  flex kernel vs kvgate (chunked)")]
+        if "attention_free" in tps and "materialised" in tps and "kvgate" in tps:
+            gain = tps["attention_free"] / tps["materialised"]
+            lines.append(f"  ceiling, materialised vs attention_free (attention at no cost): "
+                         f"{gain:.3f}x; kvgate reaches "
+                         f"{(tps['kvgate'] / tps['materialised'] - 1) / (gain - 1):.0%} of that gain")
+        lines += [ratio("kvgate", "kvgate_whole", "  of which two passes (kvgate vs kvgate_whole)"),
+                  ratio("kvgate_whole", "materialised", "  kernel (kvgate_whole vs materialised)")]
+    for line in lines:
+        if line:
+            print(line)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--base", default="smollm2-135m")
+    parser.add_argument("--steps", type=int, default=4, help="timed steps per regime")
+    parser.add_argument("--seq-len", type=int, nargs="+", default=[512],
+                        help="block lengths, each timed in turn on the same modules")
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--pair", choices=["lora", "materialised"], default="lora",
+                        help="what the gated run is compared with")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                        help="frozen base weights (gates and LoRA train in fp32)")
+    parser.add_argument("--files", nargs="*", default=None,
+                        help="local .txt/.jsonl documents instead of the embedded corpus")
+    parser.add_argument("--prefill", choices=["gated", "full"], default="gated",
+                        help="GateConfig.prefill: the paper's eq. 5, or one-shot gates")
+    parser.add_argument("--continuation", type=int, default=0,
+                        help="scored tokens at the end of each block (one-shot needs > 0)")
+    parser.add_argument("--recent", type=int, default=0, help="GateConfig.recent")
+    parser.add_argument("--sinks", type=int, default=0, help="GateConfig.sinks")
+    parser.add_argument("--distill-weight", type=float, default=0.0,
+                        help="recipe.distill_weight (the teacher's forward is part of a step)")
+    parser.add_argument("--lm-weight", type=float, default=1.0, help="recipe.lm_weight")
+    parser.add_argument("--flex", action="store_true",
+                        help="also time the gated regime on its FlexAttention kernel")
+    parser.add_argument("--bound", action="store_true",
+                        help="--pair materialised: also time the step with attention at ~no cost")
+    args = parser.parse_args()
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        raise SystemExit(f"--device {args.device}: no CUDA device here")
+    if args.flex and not args.device.startswith("cuda"):
+        raise SystemExit("--flex: the FlexAttention kernel trains only on CUDA (no backward here)")
+    if args.prefill == "full" and not 0 < args.continuation < min(args.seq_len) - 1:
+        raise SystemExit("--prefill full: set --continuation between 1 and --seq-len - 2")
+    gate = GateConfig(prefill=args.prefill, recent=args.recent, sinks=args.sinks)
+    recipe = {"distill_weight": args.distill_weight, "lm_weight": args.lm_weight}
+
+    def make(train: str):
+        return build(args.base, train, args.dtype, args.device, gate, recipe)
+
+    split = {}  # regime -> KVGateModule.split_prompt (default True)
+    if args.pair == "lora":
+        regimes = {"gates_lora": make("gates_lora"), "lora": make("lora")}
+        impl = {"gates_lora": "kvgate", "lora": "kvgate"}
+        if args.flex:  # the same gated module on the other kernel
+            regimes["gates_lora_flex"], impl["gates_lora_flex"] = regimes["gates_lora"], "flex"
+    else:
+        module, opt = make("gates")
+        # one module, several routes: identical weights, so only the computation differs
+        names = ["kvgate", "kvgate_whole", "materialised"] if args.prefill == "full" else [
+            "kvgate", "materialised"]
+        names += ["flex"] if args.flex else []
+        names += ["attention_free"] if args.bound else []
+        regimes = {name: (module, opt) for name in names}
+        impl = {name: name if name in IMPLEMENTATIONS else "kvgate" for name in names}
+        # the whole block, as the materialised regime runs it
+        split = {"kvgate_whole": False, "materialised": False, "attention_free": False}
+    for seq_len in args.seq_len:
+        measure(args, regimes, impl, split, seq_len)
     return 0
 
 

@@ -8,8 +8,12 @@
 # PARTs (all by default): tests (pytest -m gpu), bench (eq. 5 training speed, kvgate vs
 # materialised), oneshot (the two-pass one-shot step vs whole-block kvgate vs materialised),
 # train (train.py, DeepSpeed, infer.py on CUDA), lora (fp32 base, gates + LoRA vs LoRA only),
-# flex (the FlexAttention kernel, GateConfig.kernel "flex": alone and in a training step, beside
-# kvgate's chunked kernel and the materialised one).
+# flex (the FlexAttention kernel, GateConfig.kernel "flex": alone and in training steps at
+# 1k-8k, beside kvgate's chunked kernel and the materialised one, and gates + LoRA on it),
+# flextests (the CUDA tests of the flex kernel and of generation over the compressed cache),
+# decode (batched decode over the compressed cache vs transformers' dense cache, 4k prompts,
+# batch 1 / 8 / 32, SnapKV and a ranked gate at 50%, on both shapes). Each step of the
+# flex, flextests and decode parts runs under a time limit, so one slow step cannot eat a lease.
 #
 # The CUDA machine needs torch, transformers, peft, lightning (no network): the SmolLM2 weights
 # do not travel (98 MB), so the base is a random model of SmolLM2's shape (bench/random_base.py);
@@ -30,7 +34,7 @@ if [ "${1:-}" = prepare ]; then
   python - <<'PY'
 from transformers import LlamaConfig
 LlamaConfig(vocab_size=49152, hidden_size=4096, intermediate_size=11008, num_hidden_layers=4,
-            num_attention_heads=32, num_key_value_heads=32, max_position_embeddings=4096,
+            num_attention_heads=32, num_key_value_heads=32, max_position_embeddings=8192,
             rms_norm_eps=1e-5, tie_word_embeddings=False).save_pretrained(".gpu/llama7b-4layers")
 PY
   python - <<'PY'
@@ -44,13 +48,13 @@ PY
   exit 0
 fi
 
-usage="usage: $0 prepare | run OUTDIR [tests|bench|oneshot|train|lora|flex ...]"
+usage="usage: $0 prepare | run OUTDIR [tests|bench|oneshot|train|lora|flex|flextests|decode ...]"
 [ "${1:-}" = run ] || { echo "$usage" >&2; exit 2; }
 out=${2:?$usage}
 shift 2
-parts=("$@"); [ ${#parts[@]} -gt 0 ] || parts=(tests bench oneshot train lora flex)
+parts=("$@"); [ ${#parts[@]} -gt 0 ] || parts=(tests bench oneshot train lora flex decode)
 for p in "${parts[@]}"; do
-  case $p in tests|bench|oneshot|train|lora|flex) ;; *) echo "unknown PART '$p'; $usage" >&2; exit 2 ;; esac
+  case $p in tests|bench|oneshot|train|lora|flex|flextests|decode) ;; *) echo "unknown PART '$p'; $usage" >&2; exit 2 ;; esac
 done
 want() { [[ " ${parts[*]} " == *" $1 "* ]]; }
 mkdir -p "$out"
@@ -87,7 +91,7 @@ if want bench; then
   {
     for seq in 1024 2048 4096; do bench "$big" bfloat16 $seq 1; done
     for seq in 1024 2048 3072; do bench "$base" bfloat16 $seq 1; done; bench "$base" bfloat16 256 4
-  } 2>&1 | grep -v "it/s\]" | tee "$out/bench_train.log"
+  } 2>&1 | grep --line-buffered -v "it/s\]" | tee "$out/bench_train.log"
 fi
 # the one-shot recipe's step (prefill full: the prompt once without autograd, the gates on the
 # continuation), the shapes of section 8's CPU rows: 4 x 256 with 64 scored, 1 x 1,024 with 256
@@ -97,7 +101,7 @@ if want oneshot; then
     bench "$base" bfloat16 256 4 materialised --continuation 64 "${oneshot[@]}"
     bench "$base" bfloat16 1024 1 materialised --continuation 256 "${oneshot[@]}"
     bench "$big" bfloat16 2048 1 materialised --continuation 512 "${oneshot[@]}"
-  } 2>&1 | grep -v "it/s\]" | tee "$out/bench_oneshot.log"
+  } 2>&1 | grep --line-buffered -v "it/s\]" | tee "$out/bench_oneshot.log"
 fi
 
 # runs/ is not in the copy that travels: the runs write where the configs say
@@ -117,18 +121,39 @@ want train && {
     step "infer.py $ckpt on cuda" $py infer.py --checkpoint "$ckpt" --device cuda \
       --prompt "The history of the river begins in the mountains, where" --max-new-tokens 16
   done
-} 2>&1 | grep -v "it/s\]" | tee "$out/train.log"
+} 2>&1 | grep --line-buffered -v "it/s\]" | tee "$out/train.log"
 
+want decode && {
+  for b in "$base" "$big"; do
+    step "bench_decode $b" timeout 70 $py bench/bench_decode.py --device cuda --base "$b" \
+      --dtype bfloat16 --prompt 4096 --batch 1 8 32 --decode 32
+  done
+  # the dense baseline on whatever SDPA backend torch picks (cuDNN's on torch 2.11), at batch 8
+  step "bench_decode default SDPA" timeout 60 $py bench/bench_decode.py --device cuda \
+    --base "$big" --dtype bfloat16 --prompt 4096 --batch 8 --decode 32 --dense-sdpa default
+} 2>&1 | grep --line-buffered -v "Loading weights" | tee "$out/bench_decode.log"
+
+if want flextests; then
+  # ~55 s of compilation before the first flex call of a process (H200, torch 2.11)
+  step "pytest -m gpu -k 'flex or generation'" timeout 240 $py -m pytest -m gpu tests/gpu -q \
+    -p no:cacheprovider -k "flex or generation" --durations=5 2>&1 | tee "$out/pytest_flex.log"
+fi
 want flex && {
-  step "bench_kernel --flex" $py bench/bench_kernel.py --device cuda --flex --repeats 5 \
-    --shapes 1,9,3,2048,64 1,9,3,3072,64 1,32,32,2048,128 1,32,32,4096,128 4,9,3,256,64
-  for seq in 2048 4096; do bench "$big" bfloat16 $seq 1 materialised --flex; done
-  for seq in 1024 3072; do bench "$base" bfloat16 $seq 1 materialised --flex; done
-  bench "$big" bfloat16 2048 1 materialised --continuation 512 --prefill full --recent 16 \
-    --sinks 4 --distill-weight 1 --lm-weight 0 --flex
-} 2>&1 | grep -v "it/s\]" | tee "$out/bench_flex.log"
+  step "bench_kernel --flex" timeout 150 $py bench/bench_kernel.py --device cuda --flex --repeats 5 \
+    --shapes 1,9,3,2048,64 1,32,32,2048,128 1,32,32,4096,128 1,32,32,8192,128
+  # one process per base, every length in it (the compiled kernels are reused)
+  step "bench_train flex 7B shape" timeout 300 $py bench/bench_train.py --pair materialised \
+    --device cuda --base "$big" --dtype bfloat16 --files "$docs" --batch 1 --steps 4 --flex \
+    --seq-len 1024 2048 4096 8192
+  step "bench_train flex SmolLM2 shape" timeout 150 $py bench/bench_train.py --pair materialised \
+    --device cuda --base "$base" --dtype bfloat16 --files "$docs" --batch 1 --steps 4 --flex \
+    --seq-len 1024 3072
+  step "bench_train lora flex 7B shape" timeout 150 $py bench/bench_train.py --pair lora \
+    --device cuda --base "$big" --dtype bfloat16 --files "$docs" --batch 1 --steps 4 --flex \
+    --seq-len 2048 4096
+} 2>&1 | grep --line-buffered -v "it/s\]" | tee "$out/bench_flex.log"
 
 want lora && {
   bench "$base" float32 1024 1; bench "$base" bfloat16 1024 1 lora; bench "$big" bfloat16 2048 1 lora
-} 2>&1 | grep -v "it/s\]" | tee -a "$out/bench_train.log"
+} 2>&1 | grep --line-buffered -v "it/s\]" | tee -a "$out/bench_train.log"
 if [ -s "$failed" ]; then echo "failed steps:"; cat "$failed"; exit 1; fi

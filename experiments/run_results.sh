@@ -513,6 +513,15 @@ case "${1:-all}" in
            kvgate eval ruler --checkpoint runs/$g/gated "${rl[@]}" \
              --policies "$(IFS=,; echo "${pols[*]}")" "${opts[@]}" --out $R/ruler/$g
          done ;;
+      # the gates ranked at 25 / 75 % (gate_rank), then RoCo at 25 / 75 % to 2k and 50 % at 4k
+      c) for g in cpt_long cpt_recipe; do
+           kvgate eval ruler --checkpoint runs/$g/gated "${rl[@]}" --budgets 0.25,0.75 \
+             --policies gate_rank=gate_hybrid --policy-opt gate_rank.rank=true --out $R/ruler/$g
+         done
+         kvgate eval ruler --model smollm2-135m "${rl[@]}" --lengths 1024,2048 \
+           --budgets 0.25,0.75 --policies roco --out $R/ruler/heuristics
+         kvgate eval ruler --model smollm2-135m "${rl[@]}" --lengths 4096 --budgets 0.5 \
+           --policies roco --out $R/ruler/heuristics ;;
       # compress + answer over the full cache's time, every policy, the trained cpt_long gate
       bench) python bench/bench_long_context.py --lengths 1024,2048,4096 --repeats 2 --threads 1 \
            --policies full,snapkv,h2o,tova,streaming,knorm,attention_gate \
@@ -520,7 +529,7 @@ case "${1:-all}" in
          python bench/bench_long_context.py --lengths 1024,2048,4096 --repeats 2 --threads 1 \
            --policies full,h2o,pyramidkv,adakv,nacl,ahakv,window,random,roco,attention_gate \
            --checkpoint runs/cpt_long/gated --json $R/bench_long_context/all_policies.json ;;
-      *) echo "ruler: PART must be a, b or bench" >&2; exit 2 ;;
+      *) echo "ruler: PART must be a, b, c or bench" >&2; exit 2 ;;
     esac
     python experiments/summarize_ruler.py $R/ruler/heuristics cpt_long=$R/ruler/cpt_long \
       cpt_recipe=$R/ruler/cpt_recipe --tasks niah_single_1,niah_single_2,niah_multikey_1,qa_1 ;;

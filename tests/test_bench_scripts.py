@@ -135,3 +135,24 @@ def test_bench_kernel_refuses_to_time_a_regime_that_computes_something_else():
     tensors = bench.inputs((1, 2, 1, 40, 8), torch.device("cpu"))
     with pytest.raises(SystemExit, match="kvgate disagrees"):
         bench.check(fns, tensors, torch.randn_like(tensors[0]))
+
+
+def test_bench_decode_holds_the_kept_share_and_reports_every_regime(capsys):
+    from conftest import load_script
+
+    bench = load_script("bench/bench_decode.py")
+    bench.main(["--device", "cpu", "--layers", "2", "--prompt", "64", "--batch", "2",
+                "--decode", "2", "--evict", "0.75"])
+    out = capsys.readouterr().out
+    held = [float(x) for x in re.findall(r"bytes (\d\.\d+)x", out)]
+    # SnapKV and the ranked gate at 75% eviction: a quarter of the dense cache's bytes (+ the
+    # positions the ragged store keeps), each regime on its own model
+    assert len(held) == 2 and all(0.25 <= h <= 0.28 for h in held), out
+    assert all(f"batch   2 {name}" in out for name in ("dense", "snapkv", "gate")), out
+
+
+def test_bench_decode_refuses_a_ratio_without_its_dense_baseline():
+    from conftest import load_script
+
+    with pytest.raises(SystemExit, match="'dense' first"):
+        load_script("bench/bench_decode.py").main(["--regimes", "snapkv", "--device", "cpu"])
