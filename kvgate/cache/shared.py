@@ -30,6 +30,7 @@ from kvgate.cache.errors import CacheError
 from kvgate.cache.ragged import RaggedStore
 from kvgate.policies.contract import (
     Budget,
+    EncodeMasking,
     LayerPrompt,
     Policy,
     PolicyError,
@@ -37,6 +38,15 @@ from kvgate.policies.contract import (
     prefill_band,
 )
 from kvgate.policies.full import Full
+
+
+def shares_prefill(policy: Policy) -> bool:
+    """Whether ``policy`` can be served by a ``SharedPrefill`` whatever the prompt and model:
+    a one-shot policy. Not a streamed prefill (refused by ``SharedPrefill`` at construction),
+    nor a policy that may encode under its keep mask: a gate does so (eq. 5) when its trained
+    config says ``prefill: gated``, which ``SharedPrefill`` learns only at the first layer and
+    then refuses. Callers that choose which policies to share decide with this."""
+    return not isinstance(policy, (StreamingPrefill, EncodeMasking))
 
 
 class SharedPrefill(CompressedCache):

@@ -8,7 +8,7 @@ import torch
 from conftest import build, tiny_mistral_config
 
 from kvgate.cache import CacheError, CompressedCache
-from kvgate.cache.shared import SharedPrefill, _fill_layer
+from kvgate.cache.shared import SharedPrefill, _fill_layer, shares_prefill
 from kvgate.policies import get_policy, list_policies
 from kvgate.policies.base import Budget, PolicyError
 from kvgate.policies.contract import EncodeMasking, StreamingPrefill
@@ -18,8 +18,8 @@ SMALL = {"snapkv": {"window": 4}, "pyramidkv": {"window": 4},
          "h2o": {"recent": 0.5}}
 LEARNED = {"attention_gate", "gate_hybrid"}
 RANDOMISED = {"nacl", "random"}  # draw per call: a second run is another draw
-ONE_SHOT = [n for n in list_policies() if n not in LEARNED
-            and not isinstance(get_policy(n, **SMALL.get(n, {})), StreamingPrefill)]
+# what evaluations share a prefill among: every test below checks such a policy's filled cache
+ONE_SHOT = [n for n in list_policies() if shares_prefill(get_policy(n, **SMALL.get(n, {})))]
 
 
 @pytest.fixture(scope="module")
@@ -95,6 +95,13 @@ def test_a_filled_cache_decodes_like_its_own(model):
             model, get_policy(n, **SMALL.get(n, {})), 0.5), **gen)[:, ids.shape[1]:]
         got = _greedy(model, shared.caches[n], first, mask, pos)
         assert got.tolist() == want.tolist(), n
+
+
+def test_shares_prefill_leaves_out_streamed_prefills_and_the_gates():
+    left_out = {n for n in list_policies() if n not in ONE_SHOT}
+    assert left_out == LEARNED | {"roco"}
+    assert isinstance(get_policy("roco"), StreamingPrefill)
+    assert all(isinstance(get_policy(n), EncodeMasking) for n in LEARNED)
 
 
 def test_refusals(model):

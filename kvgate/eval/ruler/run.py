@@ -26,6 +26,7 @@ from typing import Any
 
 from torch import nn
 
+from kvgate.cache.shared import shares_prefill
 from kvgate.eval.asked import (
     Asked,
     compress_shared_then_answer,
@@ -39,7 +40,6 @@ from kvgate.eval.ruler.scoring import score
 from kvgate.eval.ruler.tasks import NIAH, TASKS, RulerExample, generate
 from kvgate.models.limits import InputTooLongError, context_limit
 from kvgate.policies.base import Budget, Policy
-from kvgate.policies.contract import EncodeMasking, StreamingPrefill
 
 # RULER's tokens_to_generate per family (scripts/synthetic.yaml); --max-new-tokens caps them
 MAX_NEW_TOKENS = {**{t: 128 for t in NIAH}, "vt": 30, "cwe": 120, "fwe": 50, "qa_1": 32,
@@ -145,12 +145,6 @@ def score_agnostic(model: nn.Module, tokenizer: Any, item: RulerItem, policy: Po
     return _record(item, compress_then_answer(model, tokenizer, ex.context, ex.question,
                                               ex.answer_prefix, item.max_new_tokens, policy,
                                               budget, chat))
-
-
-def shares_prefill(policy: Policy) -> bool:
-    """A one-shot policy: its prefill is the full one whatever it keeps, so one prefill can
-    serve it beside others (not a streamed prefill, not a gate encoding under its mask)."""
-    return not isinstance(policy, (StreamingPrefill, EncodeMasking))
 
 
 def score_shared(model: nn.Module, tokenizer: Any, item: RulerItem,
