@@ -55,7 +55,7 @@ class SharedPrefill(CompressedCache):
     read ``caches``; it takes no further tokens itself.
 
     ``seconds[name]``: the time that variant's choice and storing took inside the forward (the
-    rest of the forward is shared), so a variant's cost alone is about the forward's time minus
+    rest of the forward is shared; on a GPU timed between device synchronisations), so a variant's cost alone is about the forward's time minus
     every variant's seconds plus its own.
     """
 
@@ -82,16 +82,24 @@ class SharedPrefill(CompressedCache):
         # a fresh prompt view per policy object: what a policy memoises on it (H2O's column
         # sums) is reused across that policy's budgets, never read by another policy
         views: dict[int, LayerPrompt] = {}
+        device = prompt.key.device
         for name, cache in self.caches.items():
+            _sync(device)  # on a GPU the clock must wait for the queued kernels
             t0 = time.perf_counter()
             view = views.setdefault(id(cache.policy), replace(prompt))
             _fill_layer(cache, view)
+            _sync(device)
             self.seconds[name] += time.perf_counter() - t0
         return out
 
     def _step(self, layer: _Layer, *args: Any, **kwargs: Any) -> Tensor:
         raise CacheError("a SharedPrefill serves one prefill; continue on one of its .caches "
                          "(fork it with kvgate.cache.fork.fork_cache)")
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def _fill_layer(cache: CompressedCache, prompt: LayerPrompt) -> None:
