@@ -115,7 +115,7 @@ def _gate_gradient(q: Tensor, kr: Tensor, vr: Tensor, out: Tensor, lse: Tensor,
     q, out, grad_out [B, H, nq, d]; kr, vr [B, H, n, d] (repeated to the query heads); lse
     [B, H, nq]; ``block`` the transposed block mask ([n] rows over [nq] columns)."""
     d = q.shape[-1]
-    delta = (grad_out * out).sum(-1, keepdim=True)  # D_j = dO_j . o_j
+    delta = (grad_out.float() * out.float()).sum(-1, keepdim=True).to(out.dtype)  # D_j = dO_j . o_j
     # [dO_j, D_j] zero-padded to a power of two: older Triton templates of flex_attention take
     # no other value width, and newer ones round it up to one internally anyway
     width = 1 << d.bit_length()
@@ -128,8 +128,8 @@ def _gate_gradient(q: Tensor, kr: Tensor, vr: Tensor, out: Tensor, lse: Tensor,
     summed, lse_t = _attend(kr, q, values, score_mod=minus_lse, block_mask=block, scale=scaling)
     # a key no query is gated on has an empty row: its sum is 0 (lse -inf)
     scale = torch.where(torch.isfinite(lse_t), torch.exp(lse_t), torch.zeros_like(lse_t))
-    summed = torch.nan_to_num(summed) * scale[..., None]
-    return (summed[..., :d] * vr).sum(-1) - summed[..., d]
+    summed = torch.nan_to_num(summed.float()) * scale[..., None]
+    return (summed[..., :d] * vr.float()).sum(-1) - summed[..., d]
 
 
 class _GateGradient(torch.autograd.Function):
@@ -157,9 +157,13 @@ class _GateGradient(torch.autograd.Function):
 
 def flex_gated_attention(q: Tensor, k: Tensor, v: Tensor, gate: Tensor,
                          allowed: Tensor | None = None, scaling: float | None = None,
-                         recent: int = 0, prompt: Tensor | None = None) -> Tensor:
+                         recent: int = 0, prompt: Tensor | None = None,
+                         compute_dtype: torch.dtype = torch.float32) -> Tensor:
     """``kvgate.attention.gated.gated_attention`` on FlexAttention (same arguments, already
-    validated there; ``allowed`` bool [B, 1, n_q, n]). Softmax and accumulation in fp32."""
+    validated there; ``allowed`` bool [B, 1, n_q, n]). Softmax and accumulation in fp32;
+    ``compute_dtype`` is the dtype q, k, v (and the gate pass's values) enter the kernel in:
+    fp32 as the chunked kernel, or bf16, for ``bench/bench_kernel.py`` to time the kernel's
+    half-precision tiles against it (the gate gradient's last combination stays in fp32)."""
     if not flex_available():
         raise RuntimeError("the flex attention kernel needs torch >= 2.5 (FlexAttention)")
     b, h, nq, d = q.shape
@@ -171,7 +175,7 @@ def flex_gated_attention(q: Tensor, k: Tensor, v: Tensor, gate: Tensor,
     scaling = 1.0 / math.sqrt(d) if scaling is None else float(scaling)
     keep = _keep_per_query_head(gate, h)[:, :, 0]  # [B, H, n] bool
     visible, gated_transposed = _mask_mods(allowed, keep, prompt, n - nq, int(recent))
-    qf, kf, vf = q.float(), k.float(), v.float()
+    qf, kf, vf = (t.to(compute_dtype) for t in (q, k, v))
     block = _block_mask(visible, b, h, nq, n, q.device)
     out, lse = _attend(qf, kf, vf, block_mask=block, scale=scaling, enable_gqa=hk != h)
     if grad and gate.requires_grad:

@@ -66,6 +66,23 @@ def test_a_bf16_gate_gets_a_bf16_gradient_equal_to_the_chunked_kernels():
     torch.testing.assert_close(grads["flex"], grads["chunked"])
 
 
+def test_half_precision_tiles_stay_within_bf16_error_of_the_fp32_kernel():
+    """compute_dtype=bf16 (what bench_kernel times beside fp32): output and gate gradient
+    within bf16's rounding of the chunked kernel's, returned in the inputs' dtype."""
+    from kvgate.attention.flex import flex_gated_attention
+
+    q, k, v, gate, allowed = _case(150, 150, per_query_head=False)
+    want, want_grad = _out_and_gate_grad("chunked", q, k, v, gate, allowed, 5, None)
+    flags = gate.clone().requires_grad_(True)
+    got = flex_gated_attention(q, k, v, flags, allowed, recent=5, compute_dtype=torch.bfloat16)
+    weights = torch.randn(got.shape, generator=torch.Generator().manual_seed(1))
+    (got * weights).sum().backward()
+    assert got.dtype == torch.float32
+    for a, b in ((got.detach(), want), (flags.grad, want_grad)):
+        err = float((a - b).abs().max() / b.abs().max())
+        assert 0 < err < 2e-2  # rounded (not the fp32 path), but only by bf16's precision
+
+
 def test_a_key_no_query_is_gated_on_gets_zero_gradient_not_nan():
     # everything within the recent band: the transposed pass has only empty rows
     q, k, v, gate, _ = _case(8, 8, per_query_head=False)
