@@ -7,7 +7,10 @@
 Regimes, on the same random prompts:
 - ``dense``: the unpatched model with transformers' ``DynamicCache`` and its SDPA attention
   (``--dense-sdpa``: by default not cuDNN's backend, see ``DENSE_SDPA``);
-- ``snapkv``: ``CompressedCache`` under SnapKV at ``--evict``;
+- ``snapkv``: ``CompressedCache`` under SnapKV at ``--evict`` (every head keeps as many);
+- ``adakv``: SnapKV with Ada-KV's budget split across heads: heads keep different numbers of
+  entries, as a thresholded learned gate's do, so each decode step reads a ragged store (a
+  padded gather of the base per layer);
 - ``gate``: a gated copy of the model (gates of ``cpt_long``'s shape, random weights: the
   cost of a gate does not depend on its values) ranked at the same budget (``gate_hybrid``
   with ``rank=true``), so it evicts exactly as much as SnapKV; its prefill is the paper's eq. 5.
@@ -117,6 +120,8 @@ def run_batch(regimes: list[Regime], ids: torch.Tensor, decode: int, device: tor
             held = (dense_bytes(reg.cache) if isinstance(reg.cache, DynamicCache)
                     else reg.cache.bytes_held())
             reg.row["bytes"] = held
+            reg.row["ragged"] = (not isinstance(reg.cache, DynamicCache)
+                                 and any(not layer.store.uniform for layer in reg.cache.layers))
             if cuda:
                 reg.row["prefill_peak"] = torch.cuda.max_memory_allocated(device) - before
                 torch.cuda.reset_peak_memory_stats(device)
@@ -174,7 +179,8 @@ def report(regimes: list[Regime], batch: int, evict: float, cuda: bool) -> None:
             continue
         line = (f"  batch {batch:>3} {reg.name:<7} {row['tokens_per_s']:9.1f} tokens/s "
                 f"({row['step_ms']:6.2f} ms/step)  "
-                f"prefill {row['prefill_ms']:8.1f} ms  held {row['bytes'] / 2**20:9.1f} MiB")
+                f"prefill {row['prefill_ms']:8.1f} ms  held {row['bytes'] / 2**20:9.1f} MiB"
+                f"{' (ragged heads)' if row['ragged'] else ''}")
         if cuda:
             line += (f"  peak prefill {row['prefill_peak'] / 2**20:9.1f} MiB, decode "
                      f"{row['decode_peak'] / 2**20:9.1f} MiB")
@@ -205,8 +211,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32])
     p.add_argument("--decode", type=int, default=32, help="timed decode steps per regime")
     p.add_argument("--evict", type=float, default=0.5, help="evicted share of the prompt")
-    p.add_argument("--regimes", nargs="+", default=["dense", "snapkv", "gate"],
-                   choices=["dense", "snapkv", "gate"])
+    p.add_argument("--regimes", nargs="+", default=["dense", "snapkv", "adakv", "gate"],
+                   choices=["dense", "snapkv", "adakv", "gate"])
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dense-sdpa", choices=list(DENSE_SDPA), default="no-cudnn",
@@ -238,6 +244,9 @@ def main(argv: list[str] | None = None) -> int:
         "snapkv": lambda: Regime("snapkv", routed,
                                  lambda: CompressedCache(routed, snapkv, budget)),
     }
+    adakv = get_policy("adakv")
+    makers["adakv"] = lambda: Regime("adakv", routed,
+                                     lambda: CompressedCache(routed, adakv, budget))
     if "gate" in args.regimes:
         gated = patch(copy.deepcopy(model), GATE)
         ranked = get_policy("gate_hybrid", rank=True)

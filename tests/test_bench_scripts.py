@@ -141,14 +141,16 @@ def test_bench_decode_holds_the_kept_share_and_reports_every_regime(capsys):
     from conftest import load_script
 
     bench = load_script("bench/bench_decode.py")
-    bench.main(["--device", "cpu", "--layers", "2", "--prompt", "64", "--batch", "2",
+    bench.main(["--device", "cpu", "--layers", "2", "--prompt", "256", "--batch", "2",
                 "--decode", "2", "--evict", "0.75"])
     out = capsys.readouterr().out
     held = [float(x) for x in re.findall(r"bytes (\d\.\d+)x", out)]
-    # SnapKV and the ranked gate at 75% eviction: a quarter of the dense cache's bytes (+ the
+    # SnapKV, Ada-KV and the ranked gate at 75% eviction: a quarter of the dense cache's bytes (+ the
     # positions the ragged store keeps), each regime on its own model
-    assert len(held) == 2 and all(0.25 <= h <= 0.28 for h in held), out
-    assert all(f"batch   2 {name}" in out for name in ("dense", "snapkv", "gate")), out
+    assert len(held) == 3 and all(0.25 <= h <= 0.28 for h in held), out
+    assert all(f"batch   2 {name}" in out for name in ("dense", "snapkv", "adakv", "gate")), out
+    ragged = {line.split()[2] for line in out.splitlines() if "(ragged heads)" in line}
+    assert ragged == {"adakv"}, out  # Ada-KV splits the budget unevenly; the others do not
 
 
 def test_bench_decode_refuses_a_ratio_without_its_dense_baseline():
