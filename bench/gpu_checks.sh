@@ -12,9 +12,11 @@
 # 1k-8k, beside kvgate's chunked kernel and the materialised one, and gates + LoRA on it),
 # flextests (the CUDA tests of the flex kernel and of generation over the compressed cache),
 # decode (batched decode over the compressed cache vs transformers' dense cache, 4k prompts,
-# batch 1 / 8 / 32, SnapKV and a ranked gate at 50%, on both shapes). Each step of the
+# batch 1 / 8 / 32, SnapKV, Ada-KV and a ranked gate at 50%, on both shapes). Each step of the
 # flex, flextests and decode parts runs under a time limit, so one slow step cannot eat a lease.
 #
+# A 15-minute lease (H200, 2026-11-26): `run OUT decode flextests` takes ~7 min (the random
+# bases ~30 s, decode ~2.5 min, the flex tests ~4 min, mostly compilation), `run OUT flex` ~12.
 # The CUDA machine needs torch, transformers, peft, lightning (no network): the SmolLM2 weights
 # do not travel (98 MB), so the base is a random model of SmolLM2's shape (bench/random_base.py);
 # speed does not depend on weight values. Wheels in .whl/ (deepspeed, bitsandbytes, their
