@@ -522,6 +522,12 @@ case "${1:-all}" in
            --budgets 0.25,0.75 --policies roco --out $R/ruler/heuristics
          kvgate eval ruler --model smollm2-135m "${rl[@]}" --lengths 4096 --budgets 0.5 \
            --policies roco --out $R/ruler/heuristics ;;
+      # one of the two extra training runs the issue allows: cpt_long with a gate that reads no
+      # rotary positions (a length-robust gate input), at its trained threshold
+      d) [ -f runs/abl_long_norope/gated/kvgate_config.json ] || variant abl_long_norope \
+           --config cpt_recipe --config cpt_long --config $C/long_norope.yaml
+         kvgate eval ruler --checkpoint runs/abl_long_norope/gated "${rl[@]}" --budgets 0.5 \
+           --policies attention_gate --out $R/ruler/abl_long_norope ;;
       # compress + answer over the full cache's time, every policy, the trained cpt_long gate
       bench) python bench/bench_long_context.py --lengths 1024,2048,4096 --repeats 2 --threads 1 \
            --policies full,snapkv,h2o,tova,streaming,knorm,attention_gate \
@@ -529,9 +535,11 @@ case "${1:-all}" in
          python bench/bench_long_context.py --lengths 1024,2048,4096 --repeats 2 --threads 1 \
            --policies full,h2o,pyramidkv,adakv,nacl,ahakv,window,random,roco,attention_gate \
            --checkpoint runs/cpt_long/gated --json $R/bench_long_context/all_policies.json ;;
-      *) echo "ruler: PART must be a, b, c or bench" >&2; exit 2 ;;
+      *) echo "ruler: PART must be a, b, c, d or bench" >&2; exit 2 ;;
     esac
+    extra=(); [ -f $R/ruler/abl_long_norope/results.json ] && extra=(long_norope=$R/ruler/abl_long_norope)
     python experiments/summarize_ruler.py $R/ruler/heuristics cpt_long=$R/ruler/cpt_long \
-      cpt_recipe=$R/ruler/cpt_recipe --tasks niah_single_1,niah_single_2,niah_multikey_1,qa_1 ;;
+      cpt_recipe=$R/ruler/cpt_recipe "${extra[@]}" \
+      --tasks niah_single_1,niah_single_2,niah_multikey_1,qa_1 ;;
   *) echo "usage: $0 base|cpt|sft|gate CKPT OUT|sfteval|ppl CKPT OUT BUDGETS|ablation|pplctx CTX CONT WINDOWS OUT GATE...|needle|mcshort|mctasks|mctasksall|mctaskslora|mctasksseed1|mctasksbidir|mctasksb22|mctasks3shot|mctasksranked|mcselect NAME OUT HEUR...|mcfewshot NAME K LIMIT [TASKS]|pplseed SEED|ctx256seed SEED|curve256 PART|ctx256b25 SEED|ctx256b15 SEED|ctx256b05 SEED|ctx256band32 SEED|curve256b25 SEED...|curve256b15 SEED...|curve256band32 SEED...|curve256band32low SEED...|curve256band32mid SEED...|ctx1024band64 SEED|ctx1024band64more SEED|select CONTEXT SELECTOR[:TAU] NAME...|ranked CONTEXT NAME...|h2or32|headroom|ruler PART" >&2; exit 2 ;;
 esac
