@@ -100,8 +100,7 @@ class Regime:
 
 
 @torch.no_grad()
-def run_batch(regimes: list[Regime], ids: torch.Tensor, decode: int, device: torch.device,
-              keep: bool = False):
+def run_batch(regimes: list[Regime], ids: torch.Tensor, decode: int, device: torch.device):
     cuda = device.type == "cuda"
     for reg in regimes:  # alone: memory, and the warm-up of its kernels
         reg.cache = reg.token = None
@@ -261,7 +260,7 @@ def main(argv: list[str] | None = None) -> int:
         ids = torch.randint(0, vocab, (batch, args.prompt),
                             generator=torch.Generator().manual_seed(batch)).to(device)
         regimes = [makers[r]() for r in args.regimes]
-        run_batch(regimes, ids, args.decode, device, keep=args.profile)
+        run_batch(regimes, ids, args.decode, device)
         report(regimes, batch, args.evict, device.type == "cuda")
         if args.profile:
             profile_step(regimes, device)
