@@ -28,8 +28,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
 from kvgate.cache import CompressedCache
-from kvgate.inference.decode import sync_device
 from kvgate.models import dispatch
+from kvgate.models.load import sync_device
 from kvgate.policies import get_policy
 from kvgate.policies.base import Budget
 

@@ -49,8 +49,8 @@ from transformers import AutoModelForCausalLM, DynamicCache
 
 from kvgate.cache import CompressedCache
 from kvgate.gate import GateConfig, patch
-from kvgate.inference.decode import sync_device
 from kvgate.models import dispatch
+from kvgate.models.load import sync_device
 from kvgate.policies import get_policy
 from kvgate.policies.base import Budget
 

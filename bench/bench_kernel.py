@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from kvgate.attention import gated as gated_mod
 from kvgate.attention.flex import flex_gated_attention
 from kvgate.attention.gated import gated_attention, gated_attention_reference
-from kvgate.inference.decode import sync_device
+from kvgate.models.load import sync_device
 
 RECENT = 16
 

@@ -44,7 +44,7 @@ import kvgate.gate.apply as gate_apply
 import kvgate.gate.prefix as gate_prefix
 from kvgate.attention.gated import gated_attention, gated_attention_reference
 from kvgate.gate import GateConfig
-from kvgate.inference.decode import sync_device
+from kvgate.models.load import sync_device
 from kvgate.training.data import CPTDataModule
 from kvgate.training.module import KVGateModule
 

@@ -28,6 +28,7 @@ from torch import Tensor, nn
 from kvgate.cache.compressed import CompressedCache, _Layer
 from kvgate.cache.errors import CacheError
 from kvgate.cache.ragged import RaggedStore
+from kvgate.models.load import sync_device
 from kvgate.policies.contract import (
     Budget,
     EncodeMasking,
@@ -55,8 +56,8 @@ class SharedPrefill(CompressedCache):
     read ``caches``; it takes no further tokens itself.
 
     ``seconds[name]``: the time that variant's choice and storing took inside the forward (the
-    rest of the forward is shared; on a GPU timed between device synchronisations), so a variant's cost alone is about the forward's time minus
-    every variant's seconds plus its own.
+    rest of the forward is shared; on a GPU timed between device synchronisations), so a
+    variant's cost alone is about the forward's time minus every variant's seconds plus its own.
     """
 
     def __init__(self, model_or_config: nn.Module | Any,
@@ -83,23 +84,18 @@ class SharedPrefill(CompressedCache):
         # sums) is reused across that policy's budgets, never read by another policy
         views: dict[int, LayerPrompt] = {}
         device = prompt.key.device
+        sync_device(device)  # on a GPU the clock must wait for the queued kernels
         for name, cache in self.caches.items():
-            _sync(device)  # on a GPU the clock must wait for the queued kernels
             t0 = time.perf_counter()
             view = views.setdefault(id(cache.policy), replace(prompt))
             _fill_layer(cache, view)
-            _sync(device)
+            sync_device(device)
             self.seconds[name] += time.perf_counter() - t0
         return out
 
     def _step(self, layer: _Layer, *args: Any, **kwargs: Any) -> Tensor:
         raise CacheError("a SharedPrefill serves one prefill; continue on one of its .caches "
                          "(fork it with kvgate.cache.fork.fork_cache)")
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def _fill_layer(cache: CompressedCache, prompt: LayerPrompt) -> None:

@@ -29,8 +29,9 @@ from kvgate.attention.masks import left_pad
 from kvgate.cache import CompressedCache
 from kvgate.cache.fork import fork_cache, grow_capacity
 from kvgate.cache.shared import SharedPrefill
-from kvgate.inference.decode import decode, left_padded_positions, sync_device, until_eos
+from kvgate.inference.decode import decode, left_padded_positions, until_eos
 from kvgate.models.limits import InputTooLongError, context_limit, fit_to_context
+from kvgate.models.load import sync_device
 from kvgate.policies.base import Budget, Policy, PolicyError
 
 SEPARATOR = "\n\n"  # between the context and the question, in both forms

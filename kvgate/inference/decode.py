@@ -1,5 +1,5 @@
 """Token-by-token decoding over a cache after a prefill, and the small helpers generation and
-answering share (positions of a left-padded batch, device sync for timings)."""
+answering share (positions of a left-padded batch)."""
 
 from __future__ import annotations
 
@@ -8,12 +8,6 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
-
-
-def sync_device(device: torch.device) -> None:
-    """Wait for queued kernels, so a wall-clock reading covers them (a no-op on the CPU)."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def left_padded_positions(mask: Tensor) -> Tensor:

@@ -19,9 +19,10 @@ from kvgate.cache import CompressedCache
 from kvgate.inference.compress import CompressedContext
 from kvgate.inference.compress import answer as answer_questions
 from kvgate.inference.compress import compress as compress_contexts
-from kvgate.inference.decode import decode, left_padded_positions, sync_device, until_eos
+from kvgate.inference.decode import decode, left_padded_positions, until_eos
 from kvgate.models import dispatch
 from kvgate.models.limits import context_limit, fit_to_context, quiet_length_warning
+from kvgate.models.load import sync_device
 from kvgate.policies.base import Budget, Policy, PolicyError
 
 ATTN_BACKENDS = ("sdpa", "flash")

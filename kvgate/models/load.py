@@ -30,6 +30,12 @@ from kvgate.models.errors import ModelLoadError
 from kvgate.models.gguf import EMBEDDED, cache_root, convert_gguf, is_converted, prepare_embedded
 
 
+def sync_device(device: torch.device) -> None:
+    """Wait for queued kernels, so a wall-clock reading covers them (a no-op on the CPU)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def check_device(device: str | torch.device) -> torch.device:
     """``device`` as a ``torch.device``, checked to exist on this machine before any weights are
     read: an unknown name, a CUDA device on a CPU-only torch, or a GPU index past the last one
