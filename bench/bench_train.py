@@ -179,6 +179,7 @@ def measure(args, regimes: dict, impl: dict, split: dict, seq_len: int) -> None:
             continue
         mem = f", peak {peak[name] / 2**30:.2f} GiB" if cuda else ""
         print(f"  {name:<14} {tps[name]:8.1f} tokens/s  ({seconds[name] / args.steps:.2f} s/step{mem})")
+
     def ratio(x: str, y: str, what: str) -> str | None:
         if x not in tps or y not in tps:
             return None
