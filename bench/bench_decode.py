@@ -46,10 +46,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench_cache beside this file
 
 from bench_cache import smollm2_shape
-from transformers import AutoModelForCausalLM, DynamicCache
+from transformers import AutoModelForCausalLM, DynamicCache, StaticCache
 
 from kvgate.cache import CompressedCache
+from kvgate.cache.static import StaticDecodeCache
 from kvgate.gate import GateConfig, patch
+from kvgate.inference.graphed import GraphedDecoder
 from kvgate.models import dispatch
 from kvgate.models.load import sync_device
 from kvgate.policies import get_policy
@@ -86,25 +88,42 @@ def dense_bytes(cache: DynamicCache) -> int:
 
 
 class Regime:
-    """One way of holding the cache: how to make it and which model (and routing) runs it."""
+    """One way of holding the cache: how to make it and which model (and routing) runs it.
+    ``graph``: after the prefill, decode through ``GraphedDecoder`` (a CUDA graph on CUDA)
+    with room for ``room`` steps: the compressed cache frozen into a ``StaticDecodeCache``,
+    a transformers ``StaticCache`` as it is."""
 
-    def __init__(self, name: str, model, make, backends: list | None = None):
+    def __init__(self, name: str, model, make, backends: list | None = None,
+                 graph: bool = False, room: int = 0):
         self.name, self.model, self.make, self.backends = name, model, make, backends
-        self.cache = self.token = None
+        self.graph, self.room = graph, room
+        self.cache = self.token = self.decoder = None
         self.steps: list[float] = []
         self.row: dict = {}
 
     def forward(self, ids: torch.Tensor, **kw):
         with sdpa_kernel(self.backends) if self.backends else contextlib.nullcontext():
+            if self.decoder is not None:
+                self.token = self.decoder.step(ids.view(-1)).argmax(-1)[:, None]
+                return
             out = self.model(ids, past_key_values=self.cache, use_cache=True, **kw)
         self.token = out.logits[:, -1:].argmax(-1)
+
+    def freeze(self, prompt: int) -> None:
+        """After the prefill: the fixed-shape cache and its captured decode step."""
+        if isinstance(self.cache, CompressedCache):
+            self.cache = StaticDecodeCache.freeze(self.cache, self.room)
+        batch = self.token.shape[0]
+        where = torch.full((batch, 1), prompt, dtype=torch.long, device=self.token.device)
+        with sdpa_kernel(self.backends) if self.backends else contextlib.nullcontext():
+            self.decoder = GraphedDecoder(self.model, self.cache, where, prompt, self.room)
 
 
 @torch.no_grad()
 def run_batch(regimes: list[Regime], ids: torch.Tensor, decode: int, device: torch.device):
     cuda = device.type == "cuda"
     for reg in regimes:  # alone: memory, and the warm-up of its kernels
-        reg.cache = reg.token = None
+        reg.cache = reg.token = reg.decoder = None
         gc.collect()
         if cuda:
             torch.cuda.empty_cache()
@@ -117,10 +136,12 @@ def run_batch(regimes: list[Regime], ids: torch.Tensor, decode: int, device: tor
             reg.forward(ids, logits_to_keep=1)
             sync_device(device)
             reg.row["prefill_ms"] = 1000 * (time.perf_counter() - t0)
-            held = (dense_bytes(reg.cache) if isinstance(reg.cache, DynamicCache)
+            if reg.graph:
+                reg.freeze(ids.shape[1])
+            held = (dense_bytes(reg.cache) if isinstance(reg.cache, (DynamicCache, StaticCache))
                     else reg.cache.bytes_held())
             reg.row["bytes"] = held
-            reg.row["ragged"] = (not isinstance(reg.cache, DynamicCache)
+            reg.row["ragged"] = (isinstance(reg.cache, CompressedCache)
                                  and any(not layer.store.uniform for layer in reg.cache.layers))
             if cuda:
                 reg.row["prefill_peak"] = torch.cuda.max_memory_allocated(device) - before
@@ -132,7 +153,7 @@ def run_batch(regimes: list[Regime], ids: torch.Tensor, decode: int, device: tor
         except Exception as exc:  # a result too: that regime does not fit (or run) here
             if reg.name == "dense":
                 raise
-            reg.cache = reg.token = None
+            reg.cache = reg.token = reg.decoder = None
             reg.row = {"failed": "out of memory" if isinstance(exc, torch.OutOfMemoryError)
                        else f"failed: {type(exc).__name__}: {str(exc).splitlines()[0]}"}
             if cuda:
@@ -171,19 +192,24 @@ def profile_step(regimes: list[Regime], device: torch.device) -> None:
 
 def report(regimes: list[Regime], batch: int, evict: float, cuda: bool) -> None:
     dense = regimes[0].row
+    graphed = {r.name: r.row for r in regimes if r.graph}
     keep = 1.0 - evict
     for reg in regimes:
         row = reg.row
         if "failed" in row:
-            print(f"  batch {batch:>3} {reg.name:<7} {row['failed']}")
+            print(f"  batch {batch:>3} {reg.name:<12} {row['failed']}")
             continue
-        line = (f"  batch {batch:>3} {reg.name:<7} {row['tokens_per_s']:9.1f} tokens/s "
+        line = (f"  batch {batch:>3} {reg.name:<12} {row['tokens_per_s']:9.1f} tokens/s "
                 f"({row['step_ms']:6.2f} ms/step)  "
                 f"prefill {row['prefill_ms']:8.1f} ms  held {row['bytes'] / 2**20:9.1f} MiB"
                 f"{' (ragged heads)' if row['ragged'] else ''}")
         if cuda:
             line += (f"  peak prefill {row['prefill_peak'] / 2**20:9.1f} MiB, decode "
                      f"{row['decode_peak'] / 2**20:9.1f} MiB")
+        twin = graphed.get("dense-graph") if reg.graph and reg.name != "dense-graph" else None
+        if twin is not None and "failed" not in twin:
+            line += (f"\n      vs dense-graph: tokens/s "
+                     f"{row['tokens_per_s'] / twin['tokens_per_s']:.3f}x")
         if reg is not regimes[0] and "failed" not in dense:
             speed = row["tokens_per_s"] / dense["tokens_per_s"]
             held = row["bytes"] / dense["bytes"]
@@ -212,7 +238,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--decode", type=int, default=32, help="timed decode steps per regime")
     p.add_argument("--evict", type=float, default=0.5, help="evicted share of the prompt")
     p.add_argument("--regimes", nargs="+", default=["dense", "snapkv", "adakv", "gate"],
-                   choices=["dense", "snapkv", "adakv", "gate"])
+                   choices=["dense", "snapkv", "adakv", "gate"]
+                   + [f"{r}-graph" for r in ("dense", "snapkv", "adakv", "gate")])
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dense-sdpa", choices=list(DENSE_SDPA), default="no-cudnn",
@@ -238,16 +265,23 @@ def main(argv: list[str] | None = None) -> int:
     routed = copy.deepcopy(model)
     dispatch.install(routed)
 
-    def compressed(name: str, on, policy):
-        return lambda: Regime(name, on, lambda: CompressedCache(on, policy, budget))
+    room = args.decode + 2  # the decode steps a graphed regime takes after its prefill
 
-    makers = {
-        "dense": lambda: Regime("dense", model, lambda: DynamicCache(config=model.config),
-                                DENSE_SDPA[args.dense_sdpa]),
-        "snapkv": compressed("snapkv", routed, get_policy("snapkv")),
-        "adakv": compressed("adakv", routed, get_policy("adakv")),
-    }
-    if "gate" in args.regimes:
+    def compressed(name: str, on, policy):
+        return lambda graph=False: Regime(name + "-graph" * graph, on,
+                                          lambda: CompressedCache(on, policy, budget),
+                                          graph=graph, room=room)
+
+    def dense(graph=False):
+        length = args.prompt + room
+        make = ((lambda: StaticCache(config=model.config, max_cache_len=length)) if graph
+                else (lambda: DynamicCache(config=model.config)))
+        return Regime("dense" + "-graph" * graph, model, make, DENSE_SDPA[args.dense_sdpa],
+                      graph=graph, room=room)
+
+    makers = {"dense": dense, "snapkv": compressed("snapkv", routed, get_policy("snapkv")),
+              "adakv": compressed("adakv", routed, get_policy("adakv"))}
+    if any(r.startswith("gate") for r in args.regimes):
         makers["gate"] = compressed("gate", patch(copy.deepcopy(model), GATE),
                                     get_policy("gate_hybrid", rank=True))
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
@@ -258,14 +292,14 @@ def main(argv: list[str] | None = None) -> int:
     for batch in args.batch:
         ids = torch.randint(0, vocab, (batch, args.prompt),
                             generator=torch.Generator().manual_seed(batch)).to(device)
-        regimes = [makers[r]() for r in args.regimes]
+        regimes = [makers[r.removesuffix("-graph")](r.endswith("-graph")) for r in args.regimes]
         run_batch(regimes, ids, args.decode, device)
         report(regimes, batch, args.evict, device.type == "cuda")
         if args.profile:
             profile_step(regimes, device)
             args.profile = False
         for reg in regimes:
-            reg.cache = reg.token = None
+            reg.cache = reg.token = reg.decoder = None
     return 0
 
 

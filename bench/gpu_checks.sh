@@ -12,11 +12,13 @@
 # 1k-8k, beside kvgate's chunked kernel and the materialised one, and gates + LoRA on it),
 # flextests (the CUDA tests of the flex kernel and of generation over the compressed cache),
 # decode (batched decode over the compressed cache vs transformers' dense cache, 4k prompts,
-# batch 1 / 8 / 32, SnapKV, Ada-KV and a ranked gate at 50%, on both shapes). Each step of the
+# batch 1 / 8 / 32, SnapKV, Ada-KV and a ranked gate at 50%, on both shapes, eager and each
+# replaying one CUDA graph per step, the dense one on transformers' StaticCache). Each step of the
 # flex, flextests and decode parts runs under a time limit, so one slow step cannot eat a lease.
 #
-# A 15-minute lease (H200, 2026-11-26): `run OUT decode flextests` takes ~7 min (the random
-# bases ~30 s, decode ~2.5 min, the flex tests ~4 min, mostly compilation), `run OUT flex` ~12.
+# A 15-minute lease (H200, 2026-11-26): `run OUT decode flextests` took ~7 min (the random
+# bases ~30 s, decode ~2.5 min, the flex tests ~4 min, mostly compilation) before the graphed
+# regimes doubled decode's (~5 min now: run `decode` first), `run OUT flex` ~12.
 # The CUDA machine needs torch, transformers, peft, lightning (no network): the SmolLM2 weights
 # do not travel (98 MB), so the base is a random model of SmolLM2's shape (bench/random_base.py);
 # speed does not depend on weight values. Wheels in .whl/ (deepspeed, bitsandbytes, their
@@ -126,9 +128,12 @@ want train && {
 } 2>&1 | grep --line-buffered -v "it/s\]" | tee "$out/train.log"
 
 want decode && {
+  step "pytest -m gpu -k graph" timeout 60 $py -m pytest -m gpu tests/gpu -q -p no:cacheprovider \
+    -k graph
   for b in "$base" "$big"; do
-    step "bench_decode $b" timeout 70 $py bench/bench_decode.py --device cuda --base "$b" \
-      --dtype bfloat16 --prompt 4096 --batch 1 8 32 --decode 32
+    step "bench_decode $b" timeout 150 $py bench/bench_decode.py --device cuda --base "$b" \
+      --dtype bfloat16 --prompt 4096 --batch 1 8 32 --decode 32 --regimes dense snapkv adakv \
+      gate dense-graph snapkv-graph adakv-graph gate-graph
   done
   # the dense baseline on whatever SDPA backend torch picks (cuDNN's on torch 2.11), at batch 8
   step "bench_decode default SDPA" timeout 60 $py bench/bench_decode.py --device cuda \

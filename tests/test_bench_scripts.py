@@ -153,6 +153,23 @@ def test_bench_decode_holds_the_kept_share_and_reports_every_regime(capsys):
     assert ragged == {"adakv"}, out  # Ada-KV splits the budget unevenly; the others do not
 
 
+def test_bench_decode_graphed_regimes_run_the_fixed_shape_step(capsys):
+    """On the CPU the graphed regimes run the same fixed-shape step eagerly: the compressed
+    one frozen (its bytes: the kept quarter plus the preallocated tail of 4 slots), the dense
+    one on transformers' StaticCache; both compared with the dense graphed baseline too."""
+    from conftest import load_script
+
+    load_script("bench/bench_decode.py").main([
+        "--device", "cpu", "--layers", "2", "--prompt", "256", "--batch", "2", "--decode", "2",
+        "--evict", "0.75", "--regimes", "dense", "snapkv", "dense-graph", "snapkv-graph"])
+    out = capsys.readouterr().out
+    ratio = {name: float(x) for name, x in re.findall(
+        r"batch   2 (\S+) .*\n(?:.*vs dense-graph.*\n)?.*vs dense: .*bytes (\d\.\d+)x", out)}
+    assert ratio["snapkv-graph"] == pytest.approx((64 + 4) / 256, abs=0.01), out
+    assert ratio["dense-graph"] == pytest.approx((256 + 4) / 256, abs=0.01), out
+    assert out.count("vs dense-graph") == 1, out
+
+
 def test_bench_decode_refuses_a_ratio_without_its_dense_baseline():
     from conftest import load_script
 

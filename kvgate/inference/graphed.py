@@ -1,0 +1,98 @@
+"""Decode steps over a ``StaticDecodeCache``, captured once as a CUDA graph and replayed.
+
+Eager decode of a compressed cache on a GPU spends most of a step on the host (Python and
+kernel launches; ``bench/bench_decode.py --profile``). A CUDA graph records the step's kernels
+once and replays them with one launch, so the step costs what its kernels cost, and there a
+cache holding half the entries reads half the bytes. The same driver runs any cache whose
+decode step has fixed shapes and no host reads (transformers' ``StaticCache`` too, the dense
+baseline of the benchmark). Off CUDA it runs the identical step eagerly, which is what the
+CPU tests check.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from kvgate.cache.errors import CacheError
+
+
+class GraphedDecoder:
+    """One decode step, ``step(tokens) -> logits``, with fixed input buffers.
+
+    Args:
+        model: the (kvgate-installed, for a ``StaticDecodeCache``) causal LM.
+        cache: a cache with a fixed-shape decode step.
+        next_pos: ``[B, 1]`` long: each row's RoPE position of the next token.
+        cache_position: the next token's index in the padded sequence (the cache's seen
+            length for kvgate's caches, the write slot for transformers' ``StaticCache``).
+        max_steps: how many steps the cache has room for.
+        graphs: capture a CUDA graph (default: when the model is on CUDA).
+        warmup: eager steps run on a side stream before the capture (CUDA's advice); the
+            cache is put back afterwards, so they leave no trace.
+    """
+
+    def __init__(self, model: nn.Module, cache: Any, next_pos: Tensor, cache_position: int,
+                 max_steps: int, graphs: bool | None = None, warmup: int = 2) -> None:
+        device = next_pos.device
+        self.model, self.cache, self.max_steps = model, cache, max_steps
+        self.graphs = device.type == "cuda" if graphs is None else graphs
+        if self.graphs and device.type != "cuda":
+            raise CacheError(f"CUDA graphs need a CUDA device, the decode runs on {device}")
+        self.ids = torch.zeros(next_pos.shape[0], 1, dtype=torch.long, device=device)
+        self.pos = next_pos.clone().long()
+        self.cpos = torch.full((1,), cache_position, dtype=torch.long, device=device)
+        self.steps = 0
+        self.graph: Any = None
+        self.logits: Tensor | None = None
+        if self.graphs:
+            self._capture(warmup)
+
+    @torch.no_grad()
+    def _forward(self) -> Tensor:
+        out = self.model(input_ids=self.ids, position_ids=self.pos, cache_position=self.cpos,
+                         past_key_values=self.cache, use_cache=True)
+        self.pos.add_(1)
+        self.cpos.add_(1)
+        return out.logits[:, -1]
+
+    def _state(self) -> tuple:
+        cache = self.cache.snapshot() if hasattr(self.cache, "snapshot") else None
+        return cache, self.pos.clone(), self.cpos.clone()
+
+    def _restore(self, state: tuple) -> None:
+        if state[0] is not None:
+            self.cache.restore(state[0])
+        self.pos.copy_(state[1])
+        self.cpos.copy_(state[2])
+
+    def _capture(self, warmup: int) -> None:
+        state = self._state()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(warmup):
+                self._forward()
+        torch.cuda.current_stream().wait_stream(side)
+        self._restore(state)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.logits = self._forward()
+        self._restore(state)  # capturing ran the Python side once more
+
+    def step(self, tokens: Tensor) -> Tensor:
+        """Feed one token per row ``[B]``; the next logits ``[B, V]``, a buffer that the
+        following step overwrites (copy it to keep it)."""
+        if self.steps >= self.max_steps:
+            raise CacheError(f"GraphedDecoder: the cache has room for {self.max_steps} steps")
+        self.ids.copy_(tokens.view(-1, 1))
+        if self.graph is not None:
+            self.graph.replay()
+            if hasattr(self.cache, "note_replays"):
+                self.cache.note_replays()
+        else:
+            self.logits = self._forward()
+        self.steps += 1
+        return self.logits
