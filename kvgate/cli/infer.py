@@ -77,6 +77,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--truncate", action="store_true",
                    help="cut a prompt longer than the model's context (with the new tokens) "
                         "from the start, with a warning; without it such a prompt is refused")
+    p.add_argument("--cuda-graphs", action="store_true",
+                   help="decode at fixed shapes, one CUDA graph replayed per token on CUDA "
+                        "(one-shot policies only; the same tokens, less host time per step)")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     p.add_argument("--debug", action="store_true", help="show tracebacks")
 
@@ -136,6 +139,7 @@ def run(args: argparse.Namespace) -> int:
     from kvgate.models.load import check_device
     from kvgate.policies import get_policy
     from kvgate.policies.base import Budget, PolicyError
+    from kvgate.policies.contract import DecodeEvicting
 
     # everything that can be checked without the model is checked first (fast errors)
     budget = Budget.parse(args.budget)
@@ -147,12 +151,15 @@ def run(args: argparse.Namespace) -> int:
                           "backend cannot give; use --attn sdpa")
     if args.max_new_tokens < 1:
         raise CliError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    if args.cuda_graphs and isinstance(policy, DecodeEvicting):
+        raise CliError(f"--cuda-graphs: policy {policy.name!r} evicts while decoding, so its "
+                       "steps change shape; use a one-shot policy or leave the flag out")
     check_device(args.device)
     compress_cli.check_cli_arguments(args)
     prompts = None if args.context_file else _read_prompts(args)
     model, tokenizer = _load(args)
     engine = Engine(model, tokenizer, policy, budget, decode_budget=decode_budget, attn=args.attn,
-                    truncate=args.truncate)
+                    truncate=args.truncate, graphs=args.cuda_graphs)
     if args.context_file:
         return compress_cli.run(engine, args)
     result = engine.generate(prompts, max_new_tokens=args.max_new_tokens, greedy=not args.sample,

@@ -217,7 +217,7 @@ def _answer_round(engine: Any, compressed: CompressedContext, questions: list[st
     eos = getattr(tok, "eos_token_id", None)
     pad = tok.pad_token_id if tok.pad_token_id is not None else eos
     generated, _ = decode(engine.model, out, mask, positions[:, -1:] + 1, cache,
-                          max_new_tokens, eos, pad)
+                          max_new_tokens, eos, pad, graphs=engine.graphs)
     return [until_eos(row, eos) for row in generated]
 
 

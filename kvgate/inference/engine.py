@@ -24,6 +24,7 @@ from kvgate.models import dispatch
 from kvgate.models.limits import context_limit, fit_to_context, quiet_length_warning
 from kvgate.models.load import sync_device
 from kvgate.policies.base import Budget, Policy, PolicyError
+from kvgate.policies.contract import DecodeEvicting
 
 ATTN_BACKENDS = ("sdpa", "flash")
 
@@ -92,12 +93,15 @@ class Engine:
             only; policies that need attention scores are refused).
         truncate: a prompt longer than the model's context (with the tokens to generate) is
             cut to its end, with a warning; by default it is refused (``InputTooLongError``).
+        graphs: decode at fixed shapes over the cache frozen after the prefill, one CUDA graph
+            replayed per token on CUDA (eager decode there is bound by the host, not by the
+            bytes the cache holds); not for policies that evict while decoding. Same tokens.
     """
 
     def __init__(self, model: nn.Module, tokenizer: Any, policy: Policy | str,
                  budget: Budget | float | str, decode_budget: float | None = None,
                  attn: str = "sdpa", policy_options: dict[str, Any] | None = None,
-                 truncate: bool = False) -> None:
+                 truncate: bool = False, graphs: bool = False) -> None:
         if attn not in ATTN_BACKENDS:
             raise PolicyError(f"attention backend must be one of {', '.join(ATTN_BACKENDS)}, "
                               f"got {attn!r}")
@@ -116,6 +120,10 @@ class Engine:
         self.decode_budget = decode_budget
         self.attn = attn
         self.truncate = truncate
+        if graphs and isinstance(policy, DecodeEvicting):
+            raise PolicyError(f"policy {policy.name!r} evicts while decoding, so its decode "
+                              "steps change shape: graphs=True needs a one-shot policy")
+        self.graphs = graphs
         self.new_cache()  # validates decode_budget and the policy against the model now
 
     @property
@@ -190,7 +198,7 @@ class Engine:
 
         t1 = time.perf_counter()
         generated, steps = decode(self.model, out, mask, positions[:, -1:] + 1, cache,
-                                  max_new_tokens, eos, pad, pick)
+                                  max_new_tokens, eos, pad, pick, graphs=self.graphs)
         sync_device(device)
         decode_s = time.perf_counter() - t1
         batch = ids.shape[0]

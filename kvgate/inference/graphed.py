@@ -16,7 +16,9 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from kvgate.cache.compressed import CompressedCache
 from kvgate.cache.errors import CacheError
+from kvgate.cache.static import StaticDecodeCache
 
 
 class GraphedDecoder:
@@ -96,3 +98,14 @@ class GraphedDecoder:
             self.logits = self._forward()
         self.steps += 1
         return self.logits
+
+
+def graphed_steps(model: nn.Module, cache: Any, next_pos: Tensor, seen: int,
+                  steps: int) -> GraphedDecoder:
+    """The fixed-shape decode of ``steps`` tokens after a prefill: a ``CompressedCache`` is
+    frozen first (``StaticDecodeCache``; the cache itself stays as the prefill left it), any
+    other cache (transformers' ``StaticCache``) is driven as it is. ``seen``: the padded
+    length so far (the next token's cache position)."""
+    if isinstance(cache, CompressedCache):
+        cache = StaticDecodeCache.freeze(cache, steps)
+    return GraphedDecoder(model, cache, next_pos, seen, steps)

@@ -236,3 +236,19 @@ def test_compress_shared_equals_each_policy_alone(llama):
         _, want = answer_all(engine, alone, [[q] for q in QUESTIONS], max_new_tokens=6)
         assert ids == want, name
     assert got["h2o"].kept_fraction < got["snap"].kept_fraction < got["full"].kept_fraction
+
+
+@pytest.mark.parametrize("policy, options", [("snapkv", {"window": 4}),
+                                             ("adakv", {"inner_options": {"window": 4}})])
+def test_fixed_shape_decode_gives_the_same_tokens(llama, policy, options):
+    """``graphs=True`` (on the CPU: the fixed-shape step run eagerly) generates and answers
+    exactly what the growing cache does, over ragged heads (Ada-KV) and a left-padded batch."""
+    plain = Engine(llama, char_tokenizer(), policy, 0.5, policy_options=options)
+    fixed = Engine(llama, char_tokenizer(), policy, 0.5, policy_options=options, graphs=True)
+    want = plain.generate(CONTEXTS, max_new_tokens=6).token_ids
+    assert fixed.generate(CONTEXTS, max_new_tokens=6).token_ids == want
+    squeezed = plain.compress(CONTEXTS[:2], chat=False)
+    want = plain.answer(squeezed, QUESTIONS[:2], max_new_tokens=5)
+    assert fixed.answer(squeezed, QUESTIONS[:2], max_new_tokens=5) == want
+    with pytest.raises(PolicyError, match="evicts while decoding"):
+        Engine(llama, char_tokenizer(), "h2o", 0.5, graphs=True)

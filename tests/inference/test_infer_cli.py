@@ -38,6 +38,7 @@ def tiny_base(monkeypatch):
     (["--policy", "snapkv", "--policy-opt", "colour=red"], "no option 'colour'"),
     (["--policy-opt", "novalue"], "expected KEY=VALUE"),
     (["--decode-budget", "x"], "--decode-budget"),
+    (["--policy", "h2o", "--cuda-graphs"], "evicts while decoding"),
 ])
 def test_bad_arguments_exit_2_with_one_line(cli, tiny_base, capsys, argv, message):
     code = cli.main(["--model", "tiny", "--prompt", "hi", *argv])
