@@ -213,7 +213,7 @@ QUERY_ROWS = 128
 
 def attention_sums(query: Tensor, key: Tensor, valid: Tensor, scaling: float, first_row: int = 0,
                    *, row_weight: Tensor | None = None, logit_scale: Tensor | None = None,
-                   squares: bool = False, lse: Tensor | None = None,
+                   squares: bool = False, lse: Tensor | None = None, group_mean: bool = False,
                    ) -> Tensor | tuple[Tensor, Tensor]:
     """Column sums of causal fp32 attention probabilities over query rows ``first_row..n-1``.
 
@@ -227,9 +227,13 @@ def attention_sums(query: Tensor, key: Tensor, valid: Tensor, scaling: float, fi
     kernel returns it (``LayerPrompt.lse``; unpadded prompts). The probabilities are then
     ``exp(logit - lse)`` in place, without a softmax, a mask of the whole chunk or NaN repair;
     ignored with ``logit_scale`` (the logits change).
+
+    ``group_mean``: each row's probabilities averaged over its GQA group before summing (and
+    squaring), as RoCo accumulates them: ``[B, H_kv, n]``.
     """
     if lse is not None and logit_scale is None:
-        return _sums_from_lse(query, key, valid, scaling, first_row, row_weight, squares, lse)
+        return _sums_from_lse(query, key, valid, scaling, first_row, row_weight, squares, lse,
+                              group_mean)
     cols = torch.arange(query.shape[2], device=query.device)
 
     def probs(s: Tensor, start: int, end: int) -> Tensor:
@@ -246,12 +250,13 @@ def attention_sums(query: Tensor, key: Tensor, valid: Tensor, scaling: float, fi
             p = p * row_weight[:, None, None, start:end, None].to(p.dtype)
         return p
 
-    total, total_sq = _chunked_sums(query.float(), key, first_row, squares, probs)
+    total, total_sq = _chunked_sums(query.float(), key, first_row, squares, probs, group_mean)
     return (total, total_sq) if squares else total
 
 
 def _chunked_sums(query: Tensor, key: Tensor, first_row: int, squares: bool,
-                  probs: Callable[[Tensor, int, int], Tensor]) -> tuple[Tensor, Tensor | None]:
+                  probs: Callable[[Tensor, int, int], Tensor], group_mean: bool = False,
+                  ) -> tuple[Tensor, Tensor | None]:
     """The row-chunk loop of ``attention_sums``: per chunk of rows ``[start, end)`` the logits
     ``q . k`` over keys ``[0, end)`` (causal: later keys are never computed; query heads folded
     into rows, so a KV head's keys serve its g heads unexpanded) as ``[B, H_kv, g, r, end]``,
@@ -262,22 +267,25 @@ def _chunked_sums(query: Tensor, key: Tensor, first_row: int, squares: bool,
     k = key.float()
     q5 = query.view(b, hk, g, n, d)
     step = max(1, min(-(-QUERY_ROWS // g), ROW_CHUNK_ELEMS // max(1, b * h * n)))
-    total = query.new_zeros((b, h, n), dtype=torch.float32)
-    total_sq = query.new_zeros((b, h, n), dtype=torch.float32) if squares else None
+    heads = hk if group_mean else h
+    total = query.new_zeros((b, heads, n), dtype=torch.float32)
+    total_sq = query.new_zeros((b, heads, n), dtype=torch.float32) if squares else None
     for start in range(max(0, first_row), n, step):
         end = min(n, start + step)
         r = end - start
         q = q5[:, :, :, start:end].reshape(b, hk, g * r, d)
         p = probs(torch.matmul(q, k[:, :, :end].transpose(-1, -2)).view(b, hk, g, r, end),
                   start, end)
-        total[..., :end] += p.sum(3).view(b, h, end)
+        if group_mean:
+            p = p.mean(2, keepdim=True)
+        total[..., :end] += p.sum(3).view(b, heads, end)
         if total_sq is not None:
-            total_sq[..., :end] += p.square().sum(3).view(b, h, end)
+            total_sq[..., :end] += p.square().sum(3).view(b, heads, end)
     return total, total_sq
 
 
 def _sums_from_lse(query: Tensor, key: Tensor, valid: Tensor, scaling: float, first_row: int,
-                   row_weight: Tensor | None, squares: bool, lse: Tensor,
+                   row_weight: Tensor | None, squares: bool, lse: Tensor, group_mean: bool,
                    ) -> Tensor | tuple[Tensor, Tensor]:
     """``attention_sums`` given each row's log-sum-exp: per row chunk one matmul, one
     subtraction and one exponential in place; only the chunk's diagonal block is masked (the
@@ -295,7 +303,8 @@ def _sums_from_lse(query: Tensor, key: Tensor, valid: Tensor, scaling: float, fi
             p.mul_(row_weight[:, None, None, start:end, None].to(p.dtype))
         return p
 
-    total, total_sq = _chunked_sums(query.float() * scaling, key, first_row, squares, probs)
+    total, total_sq = _chunked_sums(query.float() * scaling, key, first_row, squares, probs,
+                                    group_mean)
     pad = ~valid[:, None, :]
     total.masked_fill_(pad, 0.0)
     if total_sq is not None:

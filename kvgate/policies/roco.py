@@ -37,6 +37,7 @@ from kvgate.policies.base import (
     Budget,
     LayerPrompt,
     StreamingPrefill,
+    attention_sums,
     by_position,
     check_decode,
     check_int,
@@ -163,4 +164,17 @@ class RoCo(StreamingPrefill):
         that produced ``keep`` (its per-head count is the budget)."""
         check_prompt(prompt)
         kept = keep[:, 0].sum(-1).clamp(min=1)
+        if bool((kept >= prompt.n_real).all()):  # nothing was evicted: no need to stream
+            return self.unevicted_stats(prompt)
         return self.simulate(prompt, kept)[0]
+
+    def unevicted_stats(self, prompt: LayerPrompt) -> dict[str, Tensor]:
+        """What ``simulate`` accumulates when nothing is evicted, in one chunked pass: every
+        real row's group-mean attention over every real entry up to it (the prompt's head in
+        the streamed prefill, before the budget is reached: half of RoCo's prefill at 50%)."""
+        acc, acc2 = attention_sums(prompt.query, prompt.key, prompt.valid, prompt.scaling,
+                                   squares=True, lse=prompt.lse, group_mean=True)
+        real = prompt.valid.float()
+        later_rows = real.flip(-1).cumsum(-1).flip(-1)  # real rows at or after each entry
+        cnt = (later_rows * real)[:, None, :].expand_as(acc).contiguous()
+        return {"acc": acc, "acc2": acc2, "cnt": cnt}

@@ -96,3 +96,17 @@ def test_options_are_validated():
     with pytest.raises(PolicyError, match="roco.recent_ratio"):
         RoCo(recent_ratio=1.0)
     assert issubclass(RoCo, StreamingPrefill)  # and so DecodeEvicting
+
+
+def test_stats_without_eviction_take_one_pass_and_equal_the_streamed_ones():
+    """The streamed prefill's head (nothing evicted yet) is summed in one pass: the same
+    acc / acc2 / cnt as streaming it block by block, padding included."""
+    policy = RoCo(block=4)
+    prompt = make_prompt(heads=4, kv_heads=2, lengths=(30, 19))
+    streamed = policy.simulate(prompt, prompt.n_real)[0]
+    keep = prompt.valid[:, None, :].expand(2, 2, 30)
+    one_pass = policy.decode_init(prompt, keep)
+    for name in ("acc", "acc2", "cnt"):
+        assert torch.allclose(one_pass[name], streamed[name], atol=1e-5), name
+    assert streamed["acc2"].max() > 0.05 and not torch.allclose(
+        streamed["acc2"], policy.simulate(prompt, torch.tensor([8, 8]))[0]["acc2"])
