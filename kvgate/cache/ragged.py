@@ -14,6 +14,12 @@ the base (``Tb`` = longest segment; slot ``j`` of segment ``s`` is real iff
 positions, scores) are materialised padded. K/V are gathered padded only transiently, one
 layer at a time, and only when the base is ragged; when every segment holds the same number
 of entries the base is a zero-copy ``[B, H_kv, Tb, d]`` view.
+
+Slot order: a rebuild compacts the kept slots in their old order (position order after a
+prefill). A decode step that evicts exactly as many entries per segment as it appends (a
+decode-evicting policy at capacity) instead writes the kept new entries over the evicted
+ones in place, so it copies ``r`` entries, not the cache; slots are then no longer in position
+order, which nothing reads (positions are stored per slot).
 """
 
 from __future__ import annotations
@@ -47,6 +53,7 @@ class RaggedStore:
         self._base_len = 0
         self._uniform = True
         self._index: Tensor | None = None  # [S, Tb] flat index of every base slot (lazy)
+        self._owned = True  # keys / values / pos are this store's alone (forks share them)
 
     # ------------------------------------------------------------------ sizes
 
@@ -83,10 +90,13 @@ class RaggedStore:
     def fork(self) -> RaggedStore:
         """An independent copy that shares the stored tensors (copy-on-write).
 
-        Nothing here writes into a tensor it holds: ``append`` and ``rebuild`` always bind new
-        ones, so a fork may append and evict freely without touching the original.
+        ``append`` and ``rebuild`` bind new tensors, except the in-place eviction, which first
+        copies tensors it shares; so a fork may append and evict freely without touching the
+        original.
         """
-        return copy.copy(self)
+        twin = copy.copy(self)
+        self._owned = twin._owned = False
+        return twin
 
     @classmethod
     def concat(cls, stores: list[RaggedStore]) -> RaggedStore:
@@ -128,13 +138,17 @@ class RaggedStore:
     def rebuild(self, keep: Tensor) -> Tensor:
         """Keep only the slots where ``keep`` [B, H_kv, T] is True; the tail moves into the base.
 
-        Returns the effective keep mask (``keep`` and a real slot), which ``realign`` needs to
-        carry per-slot statistics over to the new layout.
+        Returns the moves ``[S, Tb']``: the old slot each new base slot holds (0 at padding),
+        which ``realign`` reads to carry per-slot statistics over to the new layout.
         """
         b, hk, segs = self.batch, self.kv_heads, self.batch * self.kv_heads
         tb, t = self._base_len, self.tail_len
         keep = keep.to(torch.bool) & self.slot_valid()
         flat = keep.reshape(segs, tb + t)
+        if t and tb and self._uniform and not self.tail_padded \
+                and bool((flat.sum(-1) == tb).all()):
+            return self._replace(flat)
+        moves = self._compaction_moves(flat)
         kb, kt = flat[:, :tb], keep[..., tb:]
         if t == 0:
             # base only: the row-major order of the kept slots is already segment-sorted
@@ -162,15 +176,45 @@ class RaggedStore:
         lo, hi = torch.aminmax(self.counts)
         self._base_len, self._uniform = int(hi), bool(lo == hi)
         self._index = None
-        return keep
+        self._owned = True
+        return moves[:, :self._base_len]
 
-    def realign(self, x: Tensor, keep: Tensor) -> Tensor:
-        """Carry a per-slot tensor ``x`` [B, H_kv, T] of the old view to the rebuilt one."""
-        out = x.new_zeros(self.batch, self.kv_heads, self._base_len)
-        rank = keep.long().cumsum(-1) - 1
-        b, h, j = keep.nonzero(as_tuple=True)
-        out[b, h, rank[b, h, j]] = x[b, h, j]
-        return out
+    def _compaction_moves(self, flat: Tensor) -> Tensor:
+        """``[S, T]``: the old slots kept in each segment, in order, then 0."""
+        moves = torch.zeros_like(flat, dtype=torch.long)
+        seg, slot = flat.nonzero(as_tuple=True)
+        moves[seg, (flat.long().cumsum(-1) - 1)[seg, slot]] = slot
+        return moves
+
+    def _replace(self, flat: Tensor) -> Tensor:
+        """Every segment keeps ``Tb`` of its ``Tb + t`` slots: the kept tail entries overwrite
+        the evicted base entries in place (the k-th evicted slot of a segment takes its k-th
+        kept tail entry), the base keeps its size and layout."""
+        segs, tb, t = self.batch * self.kv_heads, self._base_len, self.tail_len
+        if not self._owned:  # shared with a fork: copy before writing
+            self.keys, self.values, self.pos = (self.keys.clone(), self.values.clone(),
+                                                self.pos.clone())
+            self._owned = True
+        # equal counts per segment, both lists segment-major: the k-th of each pair up
+        seg, slot = (~flat[:, :tb]).nonzero(as_tuple=True)
+        tseg, tslot = flat[:, tb:].nonzero(as_tuple=True)
+        dst = seg * tb + slot  # a uniform base: segment s holds flat rows [s * tb, (s + 1) * tb)
+        d = self.head_dim
+        self.keys[dst] = self.tail_k.reshape(segs, t, d)[tseg, tslot]
+        self.values[dst] = self.tail_v.reshape(segs, t, -1)[tseg, tslot]
+        self.pos[dst] = self.tail_pos[tseg // self.kv_heads, tslot]
+        moves = torch.arange(tb, device=flat.device).expand(segs, tb).clone()
+        moves[seg, slot] = tb + tslot
+        self.tail_k = self.tail_v = None
+        self.tail_pos = self.tail_pos[:, :0]
+        return moves
+
+    def realign(self, x: Tensor, moves: Tensor) -> Tensor:
+        """Carry a per-slot tensor ``x`` [B, H_kv, T] of the old view to the rebuilt one, given
+        the ``moves`` that ``rebuild`` returned (0 at padding slots)."""
+        segs = self.batch * self.kv_heads
+        out = x.reshape(segs, -1).gather(1, moves).view(self.batch, self.kv_heads, -1)
+        return out.masked_fill(~self.base_slot_valid(), 0)
 
     # ------------------------------------------------------------------ reading
 

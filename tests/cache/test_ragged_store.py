@@ -88,3 +88,40 @@ def test_nbytes_counts_every_held_tensor():
     store.rebuild(keep)
     kv = 10 * 2 * 8 * 4
     assert store.nbytes() == kv + 10 * 4 + 2 * 8 + 0  # keys+values, int32 pos, counts, empty tail
+
+
+def test_evicting_as_many_as_appended_writes_in_place_and_spares_forks():
+    """At capacity (every head keeps Tb of Tb + t slots) the kept new entries overwrite the
+    evicted ones in place: no copy of the cache, stats follow their entries, and a fork made
+    before still sees the old entries."""
+    store, k, v = _filled(b=2, hk=2, n=6)
+    store.rebuild(torch.ones(2, 2, 6, dtype=torch.bool))
+    twin = store.fork()
+    nk, nv = torch.randn(2, 2, 2, 4), torch.randn(2, 2, 2, 4)
+    store.append(nk, nv, torch.tensor([[6, 7], [6, 7]]))
+    keep = store.slot_valid().clone()
+    keep[0, 0, [1, 4]] = False  # two old entries out, both new ones in
+    keep[0, 1, [2, 7]] = False  # one old and one new out
+    keep[1, :, 6:] = False  # both new ones out
+    tags = torch.arange(2 * 2 * 8, dtype=torch.float32).view(2, 2, 8)
+    out = store.realign(tags, store.rebuild(keep))
+    ptr = store.keys.data_ptr()
+    assert store.base_len == 6 and store.uniform and store.tail_len == 0
+    pos = store.slot_positions()
+    assert pos[0, 0].tolist() == [0, 6, 2, 3, 7, 5]
+    assert pos[0, 1].tolist() == [0, 1, 6, 3, 4, 5]
+    assert pos[1, 0].tolist() == list(range(6))
+    bk, bv = store.base_kv()
+    torch.testing.assert_close(bk[0, 0, 1], nk[0, 0, 0])
+    torch.testing.assert_close(bv[0, 1, 2], nv[0, 1, 0])
+    # each slot's statistic is the one of the entry it now holds
+    assert out[0, 0].tolist() == tags[0, 0, [0, 6, 2, 3, 7, 5]].tolist()
+    # the fork's copy is untouched; the next in-place eviction writes the same tensors again
+    torch.testing.assert_close(twin.base_kv()[0], k[:, :, :6])
+    assert twin.slot_positions()[0, 0].tolist() == list(range(6))
+    store.append(nk[:, :, :1], nv[:, :, :1], torch.tensor([[8], [8]]))
+    keep = store.slot_valid().clone()
+    keep[..., 0] = False
+    store.realign(tags[..., :7], store.rebuild(keep))
+    assert store.keys.data_ptr() == ptr
+    assert store.slot_positions()[1, 1].tolist() == [8, 1, 2, 3, 4, 5]
