@@ -94,7 +94,7 @@ def test_evicting_as_many_as_appended_writes_in_place_and_spares_forks():
     """At capacity (every head keeps Tb of Tb + t slots) the kept new entries overwrite the
     evicted ones in place: no copy of the cache, stats follow their entries, and a fork made
     before still sees the old entries."""
-    store, k, v = _filled(b=2, hk=2, n=6)
+    store, k, _ = _filled(b=2, hk=2, n=6)
     store.rebuild(torch.ones(2, 2, 6, dtype=torch.bool))
     twin = store.fork()
     nk, nv = torch.randn(2, 2, 2, 4), torch.randn(2, 2, 2, 4)
