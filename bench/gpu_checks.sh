@@ -18,7 +18,7 @@
 #
 # A 15-minute lease (H200, 2026-11-26): `run OUT decode flextests` took ~7 min (the random
 # bases ~30 s, decode ~2.5 min, the flex tests ~4 min, mostly compilation) before the graphed
-# regimes doubled decode's (~5 min now: run `decode` first), `run OUT flex` ~12.
+# regimes doubled decode's (~6 min now: run `decode` alone first), `run OUT flex` ~12.
 # The CUDA machine needs torch, transformers, peft, lightning (no network): the SmolLM2 weights
 # do not travel (98 MB), so the base is a random model of SmolLM2's shape (bench/random_base.py);
 # speed does not depend on weight values. Wheels in .whl/ (deepspeed, bitsandbytes, their
@@ -131,7 +131,7 @@ want decode && {
   step "pytest -m gpu -k graph" timeout 60 $py -m pytest -m gpu tests/gpu -q -p no:cacheprovider \
     -k graph
   for b in "$base" "$big"; do
-    step "bench_decode $b" timeout 150 $py bench/bench_decode.py --device cuda --base "$b" \
+    step "bench_decode $b" timeout 240 $py bench/bench_decode.py --device cuda --base "$b" \
       --dtype bfloat16 --prompt 4096 --batch 1 8 32 --decode 32 --regimes dense snapkv adakv \
       gate dense-graph snapkv-graph adakv-graph gate-graph
   done
