@@ -28,12 +28,12 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
-from transformers.cache_utils import Cache
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from kvgate.attention.decode import KVPart, multipart_attention
 from kvgate.cache.capacity import check_decode_budget, decode_capacity
 from kvgate.cache.errors import CacheError
+from kvgate.cache.handler import HandlerCache
 from kvgate.cache.prefill import (
     causal_attention_lse,
     eq5_attention,
@@ -41,7 +41,7 @@ from kvgate.cache.prefill import (
     positions_after,
 )
 from kvgate.cache.ragged import RaggedStore
-from kvgate.models.dispatch import AttentionHandler, ForwardContext, install
+from kvgate.models.dispatch import ForwardContext, install
 from kvgate.policies.contract import (
     Budget,
     DecodeEvicting,
@@ -71,7 +71,7 @@ def _text_config(config: Any) -> Any:
     return getter(decoder=True) if getter is not None else config
 
 
-class CompressedCache(Cache, AttentionHandler):
+class CompressedCache(HandlerCache):
     """A KV cache that really shrinks: per layer and KV head it holds only the kept entries.
 
     Args:
@@ -133,19 +133,6 @@ class CompressedCache(Cache, AttentionHandler):
         positions of new tokens from this."""
         return self.layers[layer_idx].seen if layer_idx < self.num_layers else 0
 
-    def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
-        return self.get_seq_length(layer_idx) + query_length, 0
-
-    def get_query_offset(self, layer_idx: int = 0) -> int:
-        return self.get_seq_length(layer_idx)
-
-    def get_max_length(self, layer_idx: int | None = None) -> int:
-        return -1
-
-    @property
-    def is_compileable(self) -> bool:
-        return False
-
     @property
     def is_initialized(self) -> bool:
         return self.layers[0].store is not None
@@ -158,12 +145,6 @@ class CompressedCache(Cache, AttentionHandler):
     def batch_size(self) -> int:
         store = self.layers[0].store
         return -1 if store is None else store.batch
-
-    @property
-    def is_sliding(self) -> list[bool]:
-        # sliding windows are applied in attend from true positions; transformers must size
-        # every mask by the seen length, which it does for "full" layers
-        return [False] * self.num_layers
 
     def reset(self) -> None:
         self.layers = [_Layer() for _ in range(self.num_layers)]

@@ -23,12 +23,11 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
-from transformers.cache_utils import Cache
 
 from kvgate.attention.decode import KVPart, multipart_attention
 from kvgate.cache.compressed import CompressedCache
 from kvgate.cache.errors import CacheError
-from kvgate.models.dispatch import AttentionHandler
+from kvgate.cache.handler import HandlerCache
 from kvgate.policies.contract import DecodeEvicting
 
 
@@ -42,7 +41,7 @@ class _StaticLayer:
     tail_real: Tensor  # [B, 1, 1, M] bool: the real tokens the tail started with
 
 
-class StaticDecodeCache(Cache, AttentionHandler):
+class StaticDecodeCache(HandlerCache):
     """Decode over a compressed context at fixed shapes (see the module docstring).
 
     Build it with ``StaticDecodeCache.freeze(cache, max_new_tokens)`` from a filled
@@ -98,23 +97,9 @@ class StaticDecodeCache(Cache, AttentionHandler):
         """Tokens seen (padding included): transformers derives new positions from it."""
         return self.seen_at_freeze + self.steps_taken
 
-    def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
-        return self.get_seq_length(layer_idx) + query_length, 0
-
-    def get_max_length(self, layer_idx: int | None = None) -> int:
-        return -1
-
-    @property
-    def is_compileable(self) -> bool:
-        return False
-
     @property
     def is_initialized(self) -> bool:
         return True
-
-    @property
-    def is_sliding(self) -> list[bool]:
-        return [False] * self.num_layers
 
     @property
     def batch_size(self) -> int:

@@ -31,14 +31,14 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
-from transformers.cache_utils import Cache
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from kvgate.attention.decode import KVPart, multipart_attention
+from kvgate.cache.handler import HandlerCache
 from kvgate.cache.prefill import eq5_attention
 from kvgate.errors import KVGateError
 from kvgate.models import dispatch
-from kvgate.models.dispatch import AttentionHandler, ForwardContext
+from kvgate.models.dispatch import ForwardContext
 from kvgate.policies.base import Budget, LayerPrompt, Policy, PolicyError
 from kvgate.policies.contract import prefill_band
 
@@ -232,7 +232,7 @@ def _rows(prompt: LayerPrompt, idx: Tensor) -> LayerPrompt:
                    previous_hidden=pick(prompt.previous_hidden), lse=pick(prompt.lse))
 
 
-class MaskedScoringCache(Cache, AttentionHandler):
+class MaskedScoringCache(HandlerCache):
     """Attention handler for one packed forward (see the module docstring).
 
     Passed as ``past_key_values``; stores nothing. After the forward ``kept`` [B, L] holds
@@ -259,23 +259,6 @@ class MaskedScoringCache(Cache, AttentionHandler):
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return 0
-
-    def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
-        return query_length, 0
-
-    def get_query_offset(self, layer_idx: int = 0) -> int:
-        return 0
-
-    def get_max_length(self, layer_idx: int | None = None) -> int:
-        return -1
-
-    @property
-    def is_compileable(self) -> bool:
-        return False
-
-    @property
-    def is_sliding(self) -> list[bool]:
-        return [False] * self.num_layers
 
     def attend(self, module: nn.Module, query: Tensor, key: Tensor, value: Tensor,
                attention_mask: Tensor | None, scaling: float | None = None,
