@@ -38,6 +38,15 @@ class GraphedDecoder:
 
     def __init__(self, model: nn.Module, cache: Any, next_pos: Tensor, cache_position: int,
                  max_steps: int, graphs: bool | None = None, warmup: int = 2) -> None:
+        if not (isinstance(cache, StaticDecodeCache) or getattr(cache, "is_compileable", False)):
+            raise CacheError(f"GraphedDecoder needs a fixed-shape cache (StaticDecodeCache."
+                             f"freeze(...) or transformers' StaticCache), got "
+                             f"{type(cache).__name__}")
+        if next_pos.dim() != 2 or next_pos.shape[1] != 1 or next_pos.is_floating_point():
+            raise CacheError(f"next_pos must be a [batch, 1] integer tensor, got "
+                             f"{next_pos.dtype} of shape {tuple(next_pos.shape)}")
+        if isinstance(max_steps, bool) or not isinstance(max_steps, int) or max_steps < 1:
+            raise CacheError(f"max_steps must be an int >= 1, got {max_steps!r}")
         device = next_pos.device
         self.model, self.cache, self.max_steps = model, cache, max_steps
         self.graphs = device.type == "cuda" if graphs is None else graphs

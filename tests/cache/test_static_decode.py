@@ -178,6 +178,13 @@ def test_clear_errors():
     with pytest.raises(CacheError, match="CUDA device"):
         GraphedDecoder(model, StaticDecodeCache.freeze(cache, 2), mask.sum(-1, keepdim=True),
                        12, 2, graphs=True)
+    with pytest.raises(CacheError, match="fixed-shape cache"):
+        GraphedDecoder(model, DynamicCache(), mask.sum(-1, keepdim=True), 12, 2)
+    with pytest.raises(CacheError, match="next_pos"):
+        GraphedDecoder(model, StaticDecodeCache.freeze(cache, 2), mask.sum(-1), 12, 2)
+    with pytest.raises(CacheError, match="max_steps"):
+        GraphedDecoder(model, StaticDecodeCache.freeze(cache, 2), mask.sum(-1, keepdim=True),
+                       12, 0)
     frozen = StaticDecodeCache.freeze(cache, 2)
     with torch.no_grad(), pytest.raises(CacheError, match="one new token"):
         model(ids[:, :2], past_key_values=frozen, use_cache=True)
