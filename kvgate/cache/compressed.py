@@ -36,6 +36,7 @@ from kvgate.cache.errors import CacheError
 from kvgate.cache.handler import HandlerCache
 from kvgate.cache.prefill import (
     causal_attention_lse,
+    causal_attention_sums,
     eq5_attention,
     new_token_validity,
     positions_after,
@@ -282,6 +283,12 @@ class CompressedCache(HandlerCache):
                        window: int | None) -> tuple[Tensor, Tensor] | None:
         if not self._wants_lse():
             return None
+        if self.policy.column_sums:  # the sums from the attention's own probabilities
+            both = causal_attention_sums(prompt.query, prompt.key, prompt.value, mask,
+                                         prompt.valid, prompt.scaling, window)
+            if both is not None:
+                out, prompt.derived["column_sums"] = both
+                return out, None
         return causal_attention_lse(prompt.query, prompt.key, prompt.value, mask, prompt.valid,
                                     prompt.scaling, window)
 

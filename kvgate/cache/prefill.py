@@ -15,8 +15,9 @@ from torch import Tensor
 from torch.nn.functional import scaled_dot_product_attention
 
 from kvgate.attention.masks import as_bool, new_token_validity, positions_after, prompt_allowed
+from kvgate.policies.sums import attention_with_sums
 
-__all__ = ["causal_attention_lse", "eq5_attention", "keep_masked_attention", "new_token_validity", "positions_after",
+__all__ = ["causal_attention_lse", "causal_attention_sums", "eq5_attention", "keep_masked_attention", "new_token_validity", "positions_after",
            "prompt_allowed"]
 
 # Row chunk of the general path: bounds the [B, H, rows, n] mask SDPA materialises.
@@ -50,16 +51,35 @@ def causal_attention_lse(query: Tensor, key: Tensor, value: Tensor, mask: Tensor
     [B, n, H, d], lse [B, H, n])``. None where that kernel does not apply (another device, a
     sliding window, padding, a mask that is not plain causal); the caller then attends as
     usual and goes without the log-sum-exp."""
-    if (_FUSED_CPU is None or query.device.type != "cpu" or window is not None
-            or query.shape[2] < 2 or not bool(valid.all())):
-        return None
-    if mask is not None and not _is_causal_padding(mask, valid):
+    if _FUSED_CPU is None or not _plain_causal_cpu(query, mask, valid, window):
         return None
     g = query.shape[1] // key.shape[1]
     if g > 1:  # the kernel takes as many K/V heads as query heads
         key, value = key.repeat_interleave(g, 1), value.repeat_interleave(g, 1)
     out, lse = _FUSED_CPU(query, key, value, is_causal=True, scale=scaling)
     return out.transpose(1, 2).contiguous(), lse
+
+
+def causal_attention_sums(query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None,
+                          valid: Tensor, scaling: float, window: int | None,
+                          ) -> tuple[Tensor, Tensor] | None:
+    """The full cache's causal prefill attention ``[B, n, H, d]`` and each key's attention
+    summed over the rows ``[B, H, n]`` (H2O's score), from one pass over the probabilities
+    (``policies.sums.attention_with_sums``; equal to the fused kernel's output to float
+    rounding). Where ``causal_attention_lse`` applies (on the CPU), else None."""
+    if not _plain_causal_cpu(query, mask, valid, window):
+        return None
+    out, sums = attention_with_sums(query, key, value, scaling)
+    return out.transpose(1, 2).contiguous(), sums
+
+
+def _plain_causal_cpu(query: Tensor, mask: Tensor | None, valid: Tensor,
+                      window: int | None) -> bool:
+    """A CPU prompt with no padding, no sliding window and (if any) a plainly causal mask."""
+    if (query.device.type != "cpu" or window is not None or query.shape[2] < 2
+            or not bool(valid.all())):
+        return False
+    return mask is None or _is_causal_padding(mask, valid)
 
 
 def _is_causal_padding(mask: Tensor, valid: Tensor) -> bool:

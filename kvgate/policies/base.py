@@ -1,5 +1,6 @@
-"""Shared pieces the policies are built from: top-k selection, GQA reduction, attention sums,
-pooling, option checks, seeded draws and the decode-time helpers.
+"""Shared pieces the policies are built from: top-k selection, GQA reduction, pooling, option
+checks, seeded draws and the decode-time helpers; the attention sums (``kvgate.policies.sums``)
+are re-exported.
 
 The contract itself (``Budget``, ``LayerPrompt``, ``Policy`` and the ``DecodeEvicting`` /
 ``StreamingPrefill`` / ``EncodeMasking`` extensions) lives in ``kvgate.policies.contract`` and
@@ -10,7 +11,6 @@ from __future__ import annotations
 
 import math
 from abc import abstractmethod
-from collections.abc import Callable
 from dataclasses import fields, is_dataclass
 from typing import Any
 
@@ -29,10 +29,12 @@ from kvgate.policies.contract import (
     StreamingPrefill,
     prefill_band,
 )
+from kvgate.policies.sums import attention_sums, attention_with_sums
 
 __all__ = [
     "ROUNDINGS", "Budget", "DecodeEvicting", "EncodeMasking", "LayerPrompt", "Policy",
-    "PolicyError", "ScoredPolicy", "StreamingPrefill", "attention_sums", "by_position",
+    "PolicyError", "ScoredPolicy", "StreamingPrefill", "attention_sums", "attention_with_sums",
+    "by_position",
     "causal_probs", "check_choice", "check_decode", "check_int", "check_prompt", "check_share",
     "decode_probs", "first_real", "gqa_reduce", "keep_all", "last_real", "layer_seed",
     "make_policy", "option_error", "policy_options", "pool1d", "prefill_band", "real_index", "resolve_share", "seeded_uniform",
@@ -202,114 +204,6 @@ def seeded_uniform(prompt: LayerPrompt, seed: int, dtype: torch.dtype = torch.fl
     u = torch.rand((length, hk), generator=gen, dtype=dtype)
     idx = real_index(prompt.valid).clamp(min=0).cpu()
     return u[idx].permute(0, 2, 1).to(prompt.key.device)
-
-
-ROW_CHUNK_ELEMS = 1 << 24  # fp32 elements in one row-chunk of attention probabilities (64 MiB)
-# Query rows per KV head in one chunk's matmul. The row count, not the memory cap, sets the
-# speed: 128 rows of [B, H_kv] keep the chunk in cache where 64 MiB chunks spill to memory
-# (column sums at 4k on SmolLM2's shape, one thread: 0.30 s a layer against 0.62 s).
-QUERY_ROWS = 128
-
-
-def attention_sums(query: Tensor, key: Tensor, valid: Tensor, scaling: float, first_row: int = 0,
-                   *, row_weight: Tensor | None = None, logit_scale: Tensor | None = None,
-                   squares: bool = False, lse: Tensor | None = None, group_mean: bool = False,
-                   ) -> Tensor | tuple[Tensor, Tensor]:
-    """Column sums of causal fp32 attention probabilities over query rows ``first_row..n-1``.
-
-    query [B, H, n, d], key [B, H_kv, n, d], valid [B, n]. ``row_weight`` [B, n] multiplies
-    each row (0 drops it); ``logit_scale`` [B] or [B, n] multiplies the scaled logits of each
-    sample / row before the softmax (AhaKV's lambda'). Rows are processed in chunks so memory
-    stays O(chunk * n). Returns [B, H, n] (and the sums of squared probabilities with
-    ``squares=True``). Padding rows and columns contribute 0.
-
-    ``lse`` [B, H, n]: each row's log-sum-exp of its causal logits, as the prefill's fused
-    kernel returns it (``LayerPrompt.lse``; unpadded prompts). The probabilities are then
-    ``exp(logit - lse)`` in place, without a softmax, a mask of the whole chunk or NaN repair;
-    ignored with ``logit_scale`` (the logits change).
-
-    ``group_mean``: each row's probabilities averaged over its GQA group before summing (and
-    squaring), as RoCo accumulates them: ``[B, H_kv, n]``.
-    """
-    if lse is not None and logit_scale is None:
-        return _sums_from_lse(query, key, valid, scaling, first_row, row_weight, squares, lse,
-                              group_mean)
-    cols = torch.arange(query.shape[2], device=query.device)
-
-    def probs(s: Tensor, start: int, end: int) -> Tensor:
-        s = s * scaling
-        if logit_scale is not None:
-            scale = logit_scale.float()
-            scale = (scale[:, None, None, None, None] if scale.dim() == 1
-                     else scale[:, None, None, start:end, None])
-            s = s * scale
-        allowed = (cols[None, :end] <= cols[start:end, None])[None] & valid[:, None, :end]
-        p = torch.nan_to_num(torch.softmax(s.masked_fill(~allowed[:, None, None], -math.inf),
-                                           dim=-1), nan=0.0)
-        if row_weight is not None:
-            p = p * row_weight[:, None, None, start:end, None].to(p.dtype)
-        return p
-
-    total, total_sq = _chunked_sums(query.float(), key, first_row, squares, probs, group_mean)
-    return (total, total_sq) if squares else total
-
-
-def _chunked_sums(query: Tensor, key: Tensor, first_row: int, squares: bool,
-                  probs: Callable[[Tensor, int, int], Tensor], group_mean: bool = False,
-                  ) -> tuple[Tensor, Tensor | None]:
-    """The row-chunk loop of ``attention_sums``: per chunk of rows ``[start, end)`` the logits
-    ``q . k`` over keys ``[0, end)`` (causal: later keys are never computed; query heads folded
-    into rows, so a KV head's keys serve its g heads unexpanded) as ``[B, H_kv, g, r, end]``,
-    turned into probabilities by ``probs(s, start, end)`` and summed over the rows."""
-    b, h, n, d = query.shape
-    hk = key.shape[1]
-    g = h // hk
-    k = key.float()
-    q5 = query.view(b, hk, g, n, d)
-    step = max(1, min(-(-QUERY_ROWS // g), ROW_CHUNK_ELEMS // max(1, b * h * n)))
-    heads = hk if group_mean else h
-    total = query.new_zeros((b, heads, n), dtype=torch.float32)
-    total_sq = query.new_zeros((b, heads, n), dtype=torch.float32) if squares else None
-    for start in range(max(0, first_row), n, step):
-        end = min(n, start + step)
-        r = end - start
-        q = q5[:, :, :, start:end].reshape(b, hk, g * r, d)
-        p = probs(torch.matmul(q, k[:, :, :end].transpose(-1, -2)).view(b, hk, g, r, end),
-                  start, end)
-        if group_mean:
-            p = p.mean(2, keepdim=True)
-        total[..., :end] += p.sum(3).view(b, heads, end)
-        if total_sq is not None:
-            total_sq[..., :end] += p.square().sum(3).view(b, heads, end)
-    return total, total_sq
-
-
-def _sums_from_lse(query: Tensor, key: Tensor, valid: Tensor, scaling: float, first_row: int,
-                   row_weight: Tensor | None, squares: bool, lse: Tensor, group_mean: bool,
-                   ) -> Tensor | tuple[Tensor, Tensor]:
-    """``attention_sums`` given each row's log-sum-exp: per row chunk one matmul, one
-    subtraction and one exponential in place; only the chunk's diagonal block is masked (the
-    keys after each row), padding rows weigh 0 and padding columns are zeroed at the end."""
-    b, _, n, _ = query.shape
-    # a padding row's log-sum-exp set to +inf makes all its probabilities exp(-inf) = 0
-    lse5 = lse.float().masked_fill(~valid[:, None, :], math.inf).view(b, key.shape[1], -1, n)
-
-    def probs(p: Tensor, start: int, end: int) -> Tensor:
-        p.sub_(lse5[:, :, :, start:end, None]).exp_()
-        later = torch.ones(end - start, end - start, dtype=torch.bool,
-                           device=p.device).triu_(1)
-        p[..., start:end].masked_fill_(later, 0.0)  # causal: the block's own later keys
-        if row_weight is not None:
-            p.mul_(row_weight[:, None, None, start:end, None].to(p.dtype))
-        return p
-
-    total, total_sq = _chunked_sums(query.float() * scaling, key, first_row, squares, probs,
-                                    group_mean)
-    pad = ~valid[:, None, :]
-    total.masked_fill_(pad, 0.0)
-    if total_sq is not None:
-        total_sq.masked_fill_(pad, 0.0)
-    return (total, total_sq) if squares else total
 
 
 def pool1d(x: Tensor, kernel: int, kind: str, mask: Tensor | None = None,

@@ -148,6 +148,9 @@ class Policy(ABC):
     ``needs_attention``: ``keep`` needs attention probabilities (so the attention backend must
     be able to produce them). ``budget_free``: ``keep`` ignores the budget (the full cache, the
     thresholded gate); an evaluation then runs it once, not once per budget.
+    ``column_sums``: ``keep`` reads ``prompt.derived["column_sums"]`` when present (each
+    key's attention summed over the prompt's rows, ``[B, H, n]``), which the cache can give
+    from the prefill's own attention in the same pass.
     ``encode_mask``: whether the prompt is encoded under the keep mask (see ``EncodeMasking``);
     False for every policy that does not subclass it.
     """
@@ -155,6 +158,7 @@ class Policy(ABC):
     name: str = "base"
     needs_attention: bool = False
     budget_free: bool = False
+    column_sums: bool = False
     encode_mask: bool = False
 
     @abstractmethod

@@ -49,6 +49,7 @@ class H2O(ScoredPolicy, DecodeEvicting):
     gqa: str = "mean"
 
     name = "h2o"
+    column_sums = True  # the cache may hand them over from its prefill (one pass, no re-score)
 
     def __post_init__(self) -> None:
         check_share(self.name, "recent", self.recent)
