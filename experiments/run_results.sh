@@ -513,15 +513,16 @@ case "${1:-all}" in
            kvgate eval ruler --checkpoint runs/$g/gated "${rl[@]}" \
              --policies "$(IFS=,; echo "${pols[*]}")" "${opts[@]}" --out $R/ruler/$g
          done ;;
-      # the gates ranked at 25 / 75 % (gate_rank), then RoCo at 25 / 75 % to 2k and 50 % at 4k
+      # the gates ranked at 25 / 75 % (gate_rank), then RoCo's other cells (4k at 25 / 75 % ran
+      # with the in-place eviction of LOG 7g: the same entries, another float summation order)
       c) for g in cpt_long cpt_recipe; do
            kvgate eval ruler --checkpoint runs/$g/gated "${rl[@]}" --budgets 0.25,0.75 \
              --policies gate_rank=gate_hybrid --policy-opt gate_rank.rank=true --out $R/ruler/$g
          done
          kvgate eval ruler --model smollm2-135m "${rl[@]}" --lengths 1024,2048 \
            --budgets 0.25,0.75 --policies roco --out $R/ruler/heuristics
-         kvgate eval ruler --model smollm2-135m "${rl[@]}" --lengths 4096 --budgets 0.5 \
-           --policies roco --out $R/ruler/heuristics ;;
+         kvgate eval ruler --model smollm2-135m "${rl[@]}" --lengths 4096 \
+           --budgets 0.5,0.25,0.75 --policies roco --out $R/ruler/heuristics ;;
       # one of the two extra training runs the issue allows: cpt_long with a gate that reads no
       # rotary positions (a length-robust gate input), at its trained threshold
       d) [ -f runs/abl_long_norope/gated/kvgate_config.json ] || variant abl_long_norope \

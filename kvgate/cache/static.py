@@ -90,6 +90,9 @@ class StaticDecodeCache(HandlerCache):
     def update(self, key_states: Tensor, value_states: Tensor, layer_idx: int, *args,
                **kwargs) -> tuple[Tensor, Tensor]:
         """Pass-through: ``attend`` writes the new entry into the tail."""
+        if self._pending[layer_idx]:  # the last forward never reached attend
+            raise CacheError("StaticDecodeCache.attend was never called: route the model's "
+                             "attention through kvgate (kvgate.models.dispatch.install(model))")
         self._pending[layer_idx] = True
         return key_states, value_states
 

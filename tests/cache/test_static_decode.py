@@ -200,3 +200,16 @@ def test_op_counter_sees_ops():  # the dispatch mode the capturability test reli
     with _Ops() as ops:
         torch.ones(2) + 1
     assert collections.Counter(n for n, _ in ops.calls)["aten.add"] == 1
+
+
+def test_a_model_not_routed_through_kvgate_is_a_clear_error():
+    from kvgate.models import dispatch
+
+    model = build(tiny_llama_config())
+    ids, mask = _padded([12])
+    cache, first = _prefill(model, PatternPolicy(), ids, mask)
+    frozen = StaticDecodeCache.freeze(cache, 3)
+    dispatch.uninstall(model)
+    with torch.no_grad(), pytest.raises(CacheError, match="never called"):
+        for _ in range(2):
+            model(first.argmax(-1, keepdim=True), past_key_values=frozen, use_cache=True)
