@@ -58,8 +58,8 @@ class GraphedDecoder:
         self.steps = 0
         self.graph: Any = None
         self.logits: Tensor | None = None
-        if self.graphs:
-            self._capture(warmup)
+        if self.graphs:  # warm-up steps write real slots: no more than the cache has
+            self._capture(max(1, min(warmup, max_steps)))
 
     @torch.no_grad()
     def _forward(self) -> Tensor:
