@@ -73,6 +73,17 @@ def test_generates_and_prints_stats(cli, tiny_base, capsys, tmp_path):
     assert data["stats"]["kept_fraction"] == pytest.approx(6 / 11)
 
 
+def test_cuda_graphs_flag_decodes_the_same_tokens(cli, tiny_base, capsys):
+    """``--cuda-graphs`` on the CPU runs the fixed-shape step eagerly: the same tokens."""
+    argv = ["--model", "tiny", "--policy", "snapkv", "--budget", "0.5", "--policy-opt",
+            "window=4", "--prompt", "a longer prompt for the cache", "--prompt", "short",
+            "--max-new-tokens", "6", "--json"]
+    assert cli.main(argv) == 0
+    plain = json.loads(capsys.readouterr().out)["token_ids"]
+    assert cli.main([*argv, "--cuda-graphs"]) == 0
+    assert json.loads(capsys.readouterr().out)["token_ids"] == plain
+
+
 def test_a_prompt_longer_than_the_model_is_refused_or_cut(cli, tiny_base, capsys):
     """Issue 36, case 2: the tiny model takes 256 positions; 300 characters + 4 new tokens do
     not fit. Refused in one line (exit 2), or cut from the start with --truncate, which says
