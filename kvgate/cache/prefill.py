@@ -110,8 +110,41 @@ def keep_masked_attention(query: Tensor, key: Tensor, value: Tensor, allowed: Te
         if valid is None:
             valid = torch.ones(query.shape[0], query.shape[2], dtype=torch.bool,
                                device=query.device)
+        if bool(valid.all()):
+            whole = keep.all(-1).all(0)  # [H_kv]: heads that evict nothing, in every row
+            if bool(whole.any()):
+                return _whole_heads_apart(query, key, value, keep, valid, scaling,
+                                          max(recent, 1), whole)
         return _blocked(query, key, value, keep, valid, scaling, max(recent, 1))
     return _general(query, key, value, allowed, keep, scaling, max(recent, 1))
+
+
+def _whole_heads_apart(query: Tensor, key: Tensor, value: Tensor, keep: Tensor, valid: Tensor,
+                       scaling: float, band: int, whole: Tensor) -> Tensor:
+    """Unpadded prompts where some KV heads keep every key: those heads' eq. 5 is plain causal
+    attention (one fused call for all of them), the others take the blocked path.
+
+    Learned gates often decide per head: at 4k, ``cpt_long`` keeps all 4,096 entries in some
+    heads of a layer and only its sinks and band in the others. Blocked together, every head's
+    dense prefix is as long as the longest head's, so eq. 5 cost ~1.3x the full causal
+    attention; apart, the whole heads cost their share of it and the rest almost nothing.
+    """
+    b, h, n, d = query.shape
+    hk, dv = key.shape[1], value.shape[-1]
+    g = h // hk
+    q5 = query.view(b, hk, g, n, d)
+    out = query.new_empty(b, n, hk, g, dv)
+    kept, rest = whole.nonzero()[:, 0], (~whole).nonzero()[:, 0]  # a split of the head axis
+    o = scaled_dot_product_attention(q5[:, kept].reshape(b, -1, n, d),
+                                     key[:, kept].repeat_interleave(g, 1),
+                                     value[:, kept].repeat_interleave(g, 1),
+                                     is_causal=True, scale=scaling)
+    out[:, :, kept] = o.view(b, len(kept), g, n, dv).permute(0, 3, 1, 2, 4)
+    if len(rest):
+        o = _blocked(q5[:, rest].reshape(b, -1, n, d), key[:, rest], value[:, rest],
+                     keep[:, rest], valid, scaling, band)  # [B, n, |rest| * g, dv]
+        out[:, :, rest] = o.view(b, n, len(rest), g, dv)
+    return out.view(b, n, h, dv)
 
 
 def _general(query: Tensor, key: Tensor, value: Tensor, allowed: Tensor, keep: Tensor,

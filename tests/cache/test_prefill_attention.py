@@ -62,6 +62,28 @@ def test_heads_keeping_nothing_old():
     assert torch.allclose(got, want, atol=1e-5)
 
 
+@pytest.mark.parametrize("whole", [[0], [1, 2], [0, 1, 2]])
+def test_heads_that_keep_every_key_attend_apart(whole, monkeypatch):
+    """A learned gate's per-head choice (some KV heads keep everything, the others little):
+    those heads take one causal call, the rest the blocked path, and together they equal the
+    formula, per head and batch row; the blocked path then sees only the other heads."""
+    q, k, v, keep, valid = _inputs(2, 6, 3, 600, 0)
+    keep[:, whole] = True
+    seen = []
+    blocked = prefill._blocked
+    monkeypatch.setattr(prefill, "_blocked", lambda *a: seen.append(a[1].shape[1]) or blocked(*a))
+    want = _brute(q, k, v, keep, valid, 0.25, 16)
+    got = keep_masked_attention(q, k, v, None, keep, 0.25, 16, valid=valid)
+    assert got.shape == (2, 600, 6, 16)
+    assert torch.allclose(got, want, atol=1e-5)
+    assert seen == ([3 - len(whole)] if len(whole) < 3 else [])
+    keep[1, whole[0], 5] = False  # not whole in every row: the blocked path for all heads
+    seen.clear()
+    got = keep_masked_attention(q, k, v, None, keep, 0.25, 16, valid=valid)
+    assert seen == [3 - (len(whole) - 1)]  # the heads still whole in both rows stay apart
+    assert torch.allclose(got, _brute(q, k, v, keep, valid, 0.25, 16), atol=1e-5)
+
+
 def test_general_path_matches_blocked():
     q, k, v, keep, valid = _inputs(2, 6, 3, 400, 50)
     n = q.shape[2]
