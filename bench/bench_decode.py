@@ -49,9 +49,8 @@ from bench_cache import smollm2_shape
 from transformers import AutoModelForCausalLM, DynamicCache, StaticCache
 
 from kvgate.cache import CompressedCache
-from kvgate.cache.static import StaticDecodeCache
 from kvgate.gate import GateConfig, patch
-from kvgate.inference.graphed import GraphedDecoder
+from kvgate.inference.graphed import graphed_steps
 from kvgate.models import dispatch
 from kvgate.models.load import sync_device
 from kvgate.policies import get_policy
@@ -111,12 +110,11 @@ class Regime:
 
     def freeze(self, prompt: int) -> None:
         """After the prefill: the fixed-shape cache and its captured decode step."""
-        if isinstance(self.cache, CompressedCache):
-            self.cache = StaticDecodeCache.freeze(self.cache, self.room)
         batch = self.token.shape[0]
         where = torch.full((batch, 1), prompt, dtype=torch.long, device=self.token.device)
         with sdpa_kernel(self.backends) if self.backends else contextlib.nullcontext():
-            self.decoder = GraphedDecoder(self.model, self.cache, where, prompt, self.room)
+            self.decoder = graphed_steps(self.model, self.cache, where, prompt, self.room)
+        self.cache = self.decoder.cache  # the frozen copy, when the cache was a compressed one
 
 
 @torch.no_grad()
