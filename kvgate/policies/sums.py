@@ -73,9 +73,7 @@ def attention_with_sums(query: Tensor, key: Tensor, value: Tensor, scaling: floa
     Costs about one fused attention plus the sums, instead of a fused attention and then a
     second q.k pass for the sums."""
     def probs(s: Tensor, start: int, end: int) -> Tensor:
-        later = torch.ones(end - start, end - start, dtype=torch.bool,
-                           device=s.device).triu_(1)
-        s[..., start:end].masked_fill_(later, -math.inf)  # causal: the block's later keys
+        s[..., start:end].masked_fill_(_later(start, end, s.device), -math.inf)
         return torch.softmax(s, dim=-1)
 
     b, h, n, _ = query.shape
@@ -83,6 +81,12 @@ def attention_with_sums(query: Tensor, key: Tensor, value: Tensor, scaling: floa
     total, _ = _chunked_sums(query.float() * scaling, key, 0, False, probs,
                              values=value.float(), out=out)
     return out.to(query.dtype), total
+
+
+def _later(start: int, end: int, device: torch.device) -> Tensor:
+    """``[r, r]`` True above the diagonal: in a chunk of rows ``[start, end)``, the keys of the
+    chunk's own block that come after each row (causal; earlier blocks are all visible)."""
+    return torch.ones(end - start, end - start, dtype=torch.bool, device=device).triu_(1)
 
 
 def _chunked_sums(query: Tensor, key: Tensor, first_row: int, squares: bool,
@@ -133,9 +137,7 @@ def _sums_from_lse(query: Tensor, key: Tensor, valid: Tensor, scaling: float, fi
 
     def probs(p: Tensor, start: int, end: int) -> Tensor:
         p.sub_(lse5[:, :, :, start:end, None]).exp_()
-        later = torch.ones(end - start, end - start, dtype=torch.bool,
-                           device=p.device).triu_(1)
-        p[..., start:end].masked_fill_(later, 0.0)  # causal: the block's own later keys
+        p[..., start:end].masked_fill_(_later(start, end, p.device), 0.0)
         if row_weight is not None:
             p.mul_(row_weight[:, None, None, start:end, None].to(p.dtype))
         return p
