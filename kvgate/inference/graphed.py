@@ -69,25 +69,45 @@ class GraphedDecoder:
         self.cpos.add_(1)
         return out.logits[:, -1]
 
+    def _counters(self) -> list[Tensor]:
+        # transformers' StaticCache layers write at their own device counter of tokens seen
+        # (cumulative_length), not at cache_position: a warm-up step advances it too
+        layers = getattr(self.cache, "layers", ())
+        return [c for c in (getattr(layer, "cumulative_length", None) for layer in layers)
+                if isinstance(c, Tensor)]
+
     def _state(self) -> tuple:
         cache = self.cache.snapshot() if hasattr(self.cache, "snapshot") else None
-        return cache, self.pos.clone(), self.cpos.clone()
+        counters = [c.clone() for c in self._counters()]
+        return cache, self.pos.clone(), self.cpos.clone(), counters
 
     def _restore(self, state: tuple) -> None:
         if state[0] is not None:
             self.cache.restore(state[0])
         self.pos.copy_(state[1])
         self.cpos.copy_(state[2])
+        for counter, saved in zip(self._counters(), state[3]):
+            counter.copy_(saved)
+
+    def _warm(self, steps: int) -> None:
+        """Run ``steps`` eager steps (on a side stream on CUDA, as capture wants) and put the
+        cache, the positions and the caches' own counters back: no trace left."""
+        state = self._state()
+        if self.graphs:
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                for _ in range(steps):
+                    self._forward()
+            torch.cuda.current_stream().wait_stream(side)
+        else:
+            for _ in range(steps):
+                self._forward()
+        self._restore(state)
 
     def _capture(self, warmup: int) -> None:
+        self._warm(warmup)
         state = self._state()
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(warmup):
-                self._forward()
-        torch.cuda.current_stream().wait_stream(side)
-        self._restore(state)
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph):
             self.logits = self._forward()

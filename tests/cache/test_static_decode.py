@@ -157,6 +157,31 @@ def test_the_driver_runs_transformers_static_cache_like_a_dynamic_one():
     assert torch.allclose(torch.stack(got, 1), torch.stack(want, 1), atol=1e-5)
 
 
+@pytest.mark.parametrize("kind", ["static_dense", "compressed"])
+def test_warm_up_steps_leave_no_trace_in_either_cache(kind):
+    """The steps run before a CUDA graph capture are undone: transformers' StaticCache writes at
+    its layers' own device counters, which a warm-up advances (on an H100 the captured steps
+    then wrote past the cache's end: an index_copy_ out of bounds)."""
+    model = build(tiny_llama_config())
+    ids, mask = _padded([14])
+    runs = []
+    for warm in (0, 3):
+        with torch.no_grad():
+            if kind == "static_dense":
+                cache = StaticCache(config=model.config, max_cache_len=14 + 4)
+                first = model(ids, past_key_values=cache, use_cache=True).logits[:, -1]
+            else:
+                compressed, first = _prefill(model, get_policy("snapkv"), ids, mask)
+                cache = StaticDecodeCache.freeze(compressed, 4)
+        dec = GraphedDecoder(model, cache, torch.tensor([[14]]), 14, 4, graphs=False)
+        dec._warm(warm)
+        got = [first]
+        for _ in range(4):
+            got.append(dec.step(got[-1].argmax(-1)).clone())
+        runs.append(torch.stack(got, 1))
+    torch.testing.assert_close(runs[1], runs[0])
+
+
 def test_clear_errors():
     model = build(tiny_llama_config())
     ids, mask = _padded([12])
