@@ -12,6 +12,10 @@ autograd). ``--backward-rows R`` adds a kvgate regime whose backward runs R quer
 are checked against the materialised ones, so a faster but wrong setting fails loudly.
 ``--flex`` adds the FlexAttention kernel twice: as training runs it (fp32 tiles) and fed bf16
 tiles (``flex_bf16``, checked to 2% of the largest reference value).
+``--triton`` adds the Triton kernel on fp32 inputs (``triton``) and on bf16 inputs
+(``triton_bf16``, as a bf16 model calls it), and beside them the bar it is held to: SDPA's
+FlashAttention backend, causal, no gate, bf16 (``sdpa_flash_bf16``, not checked: it computes
+another function, and has no gate gradient).
 ``--profile`` prints the top CUDA/CPU ops of one kvgate step (torch.profiler).
 
 The whole training step (the frozen model around the kernel) is ``bench/bench_train.py``.
@@ -47,7 +51,24 @@ def inputs(shape: tuple[int, ...], device: torch.device, seed: int = 0):
     return q, k, v, gate
 
 
-def regimes(backward_rows: list[int], flex: bool = False) -> dict:
+def _bf16(fn):
+    """``fn`` fed bf16 copies of q, k, v (the cast is part of the timed step, ~1% at these
+    shapes), its output returned in fp32 for the checks."""
+    def run(q, k, v, g):
+        return fn(q.bfloat16(), k.bfloat16(), v.bfloat16(), g).float()
+    return run
+
+
+def _sdpa_flash(q, k, v, g):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    if k.shape[1] != q.shape[1]:  # KV heads repeated to the query heads (counted in the time)
+        k, v = (t.repeat_interleave(q.shape[1] // k.shape[1], 1) for t in (k, v))
+    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+def regimes(backward_rows: list[int], flex: bool = False, triton: bool = False) -> dict:
     out = {"materialised": lambda q, k, v, g: gated_attention_reference(q, k, v, g, recent=RECENT)}
     for rows in backward_rows:
         name = "kvgate" if rows == 0 else f"kvgate_bwd{rows}"
@@ -57,12 +78,19 @@ def regimes(backward_rows: list[int], flex: bool = False) -> dict:
         # the same kernel fed half-precision tiles (fp32 accumulation): is fp32 what costs?
         out["flex_bf16"] = functools.partial(flex_gated_attention, recent=RECENT,
                                              compute_dtype=torch.bfloat16)
+    if triton:
+        out["triton"] = functools.partial(gated_attention, recent=RECENT, kernel="triton")
+        out["triton_bf16"] = _bf16(functools.partial(gated_attention, recent=RECENT,
+                                                     kernel="triton"))
+        out["sdpa_flash_bf16"] = _bf16(_sdpa_flash)
     return out
 
 
 # regimes checked against the materialised kernel relative to the largest reference value
 # (half-precision inputs), instead of fp32's absolute tolerances
-RELATIVE = {"flex_bf16": 2e-2}
+RELATIVE = {"flex_bf16": 2e-2, "triton_bf16": 2e-2}
+# timed only: not the gated attention (the bar the gated kernel is held to)
+UNCHECKED = {"sdpa_flash_bf16"}
 
 
 def step(fn, tensors, grad_out):
@@ -84,6 +112,9 @@ def check(fns: dict, tensors, grad_out) -> None:
     ref = step(fns["materialised"], tensors, grad_out).detach()
     ref_grads = [t.grad.clone() for t in tensors]
     for name, fn in fns.items():
+        if name in UNCHECKED:
+            step(fn, tensors, grad_out)  # compiled / warmed like the others
+            continue
         out = step(fn, tensors, grad_out).detach()
         bad = [i for i, (t, r) in enumerate(zip(tensors, ref_grads))
                if t.grad is None or not _close(name, t.grad, r, 2e-3, 2e-3)]
@@ -140,12 +171,16 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--flex", action="store_true",
                     help="add the FlexAttention kernel (kernel='flex'; its backward needs CUDA)")
+    ap.add_argument("--triton", action="store_true",
+                    help="add the Triton kernel (fp32 and bf16 inputs) and SDPA flash (CUDA)")
     ap.add_argument("--profile", action="store_true")
     args = ap.parse_args(argv)
     device = torch.device(args.device)
     if args.flex and device.type != "cuda":
         raise SystemExit("--flex: the FlexAttention kernel trains only on CUDA (no backward here)")
-    fns = regimes(args.backward_rows, args.flex)
+    if args.triton and device.type != "cuda":
+        raise SystemExit("--triton: the Triton kernel runs on CUDA (its interpreter is for tests)")
+    fns = regimes(args.backward_rows, args.flex, args.triton)
     results = {}
     for text in args.shapes:
         shape = tuple(int(x) for x in text.split(","))
@@ -160,6 +195,9 @@ def main(argv: list[str] | None = None) -> dict:
             mem_txt = "" if mem is None else f", peak +{mem:.2f} GiB"
             print(f"  {name:<16} {sec * 1e3:9.2f} ms{mem_txt}  speed-up vs materialised "
                   f"{ref / sec:.2f}x")
+        if "triton_bf16" in res:
+            print(f"  triton_bf16 / sdpa_flash_bf16 time: "
+                  f"{res['triton_bf16'][0] / res['sdpa_flash_bf16'][0]:.2f}x (target <= 1.5x)")
         if args.profile:
             profile(shape, device, fns["kvgate"] if "kvgate" in fns else next(iter(fns.values())))
         results[text] = res

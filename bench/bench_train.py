@@ -17,7 +17,8 @@ of each block scored) a third regime, ``kvgate_whole``, runs kvgate's kernel ove
 block as the materialised regime does, while ``kvgate`` encodes the prompt once without autograd
 (``kvgate.gate.prefix``: same loss and gradients), so the two speed-ups are told apart.
 ``--flex`` adds ``flex``: kvgate with the block-sparse FlexAttention kernel (``GateConfig.kernel``
-"flex"; trains on CUDA only). ``--bound`` adds ``attention_free``: the same step with the gated attention replaced by an
+"flex"; trains on CUDA only); ``--triton`` adds ``triton``: kvgate on its FlashAttention-2-style
+Triton kernel (``GateConfig.kernel`` "triton"; CUDA). ``--bound`` adds ``attention_free``: the same step with the gated attention replaced by an
 elementwise stand-in that costs next to nothing (q, k, v and the gate stay in the graph, so the
 rest of the backward is unchanged). materialised / attention_free is the ceiling of what any
 gated-attention kernel can gain on that step (Amdahl): where it is below 2, no kernel reaches 2x.
@@ -74,7 +75,15 @@ def flex(q, k, v, gate, allowed=None, scaling=None, recent=0, chunk=None, prompt
     return gated_attention(q, k, v, gate, allowed, scaling, recent, chunk, prompt, kernel="flex")
 
 
-IMPLEMENTATIONS = {"materialised": materialised, "attention_free": attention_free, "flex": flex}
+def triton(q, k, v, gate, allowed=None, scaling=None, recent=0, chunk=None, prompt=None,
+           kernel=None):
+    """kvgate's gated attention on its Triton kernel, whatever the gate config says."""
+    return gated_attention(q, k, v, gate, allowed, scaling, recent, chunk, prompt,
+                           kernel="triton")
+
+
+IMPLEMENTATIONS = {"materialised": materialised, "attention_free": attention_free, "flex": flex,
+                   "triton": triton}
 
 
 @contextmanager
@@ -154,7 +163,8 @@ def measure(args, regimes: dict, impl: dict, split: dict, seq_len: int) -> None:
                 with attention_impl(impl[name]):
                     took = step(module, opt, batch)
             except Exception as exc:  # a result too: that regime does not fit / run here
-                if not isinstance(exc, torch.OutOfMemoryError) and impl[name] != "flex":
+                if not isinstance(exc, torch.OutOfMemoryError) and impl[name] not in (
+                        "flex", "triton"):
                     raise
                 opt.zero_grad(set_to_none=True)
                 failed[name] = ("out of memory" if isinstance(exc, torch.OutOfMemoryError)
@@ -188,12 +198,15 @@ def measure(args, regimes: dict, impl: dict, split: dict, seq_len: int) -> None:
 
     if args.pair == "lora":
         lines = [ratio("lora", "gates_lora", "slowdown gates+LoRA vs LoRA-only (target <= 1.35x)"),
-                 ratio("lora", "gates_lora_flex", "  same on the flex kernel")]
+                 ratio("lora", "gates_lora_flex", "  same on the flex kernel"),
+                 ratio("lora", "gates_lora_triton", "  same on the triton kernel")]
     else:
         lines = [ratio("kvgate", "materialised",
                        "speed-up kvgate vs materialised gated attention (target >= 2x)"),
                  ratio("flex", "materialised", "  flex kernel vs materialised"),
-                 ratio("flex", "kvgate", "  flex kernel vs kvgate (chunked)")]
+                 ratio("flex", "kvgate", "  flex kernel vs kvgate (chunked)"),
+                 ratio("triton", "materialised", "  triton kernel vs materialised (target >= 1.5x)"),
+                 ratio("triton", "kvgate", "  triton kernel vs kvgate (chunked)")]
         if "attention_free" in tps and "materialised" in tps and "kvgate" in tps:
             gain = tps["attention_free"] / tps["materialised"]
             lines.append(f"  ceiling, materialised vs attention_free (attention at no cost): "
@@ -232,6 +245,8 @@ def main() -> int:
     parser.add_argument("--lm-weight", type=float, default=1.0, help="recipe.lm_weight")
     parser.add_argument("--flex", action="store_true",
                         help="also time the gated regime on its FlexAttention kernel")
+    parser.add_argument("--triton", action="store_true",
+                        help="also time the gated regime on its Triton kernel (CUDA)")
     parser.add_argument("--bound", action="store_true",
                         help="--pair materialised: also time the step with attention at ~no cost")
     args = parser.parse_args()
@@ -239,6 +254,9 @@ def main() -> int:
         raise SystemExit(f"--device {args.device}: no CUDA device here")
     if args.flex and not args.device.startswith("cuda"):
         raise SystemExit("--flex: the FlexAttention kernel trains only on CUDA (no backward here)")
+    if args.triton and not args.device.startswith("cuda"):
+        raise SystemExit("--triton: the Triton kernel runs on CUDA (the CPU tests use its "
+                         "interpreter, far too slow to time)")
     if args.prefill == "full" and not 0 < args.continuation < min(args.seq_len) - 1:
         raise SystemExit("--prefill full: set --continuation between 1 and --seq-len - 2")
     gate = GateConfig(prefill=args.prefill, recent=args.recent, sinks=args.sinks)
@@ -253,12 +271,16 @@ def main() -> int:
         impl = {"gates_lora": "kvgate", "lora": "kvgate"}
         if args.flex:  # the same gated module on the other kernel
             regimes["gates_lora_flex"], impl["gates_lora_flex"] = regimes["gates_lora"], "flex"
+        if args.triton:
+            regimes["gates_lora_triton"] = regimes["gates_lora"]
+            impl["gates_lora_triton"] = "triton"
     else:
         module, opt = make("gates")
         # one module, several routes: identical weights, so only the computation differs
         names = ["kvgate", "kvgate_whole", "materialised"] if args.prefill == "full" else [
             "kvgate", "materialised"]
         names += ["flex"] if args.flex else []
+        names += ["triton"] if args.triton else []
         names += ["attention_free"] if args.bound else []
         regimes = {name: (module, opt) for name in names}
         impl = {name: name if name in IMPLEMENTATIONS else "kvgate" for name in names}

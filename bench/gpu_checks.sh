@@ -13,8 +13,11 @@
 # flextests (the CUDA tests of the flex kernel and of generation over the compressed cache),
 # decode (batched decode over the compressed cache vs transformers' dense cache, 4k prompts,
 # batch 1 / 8 / 32, SnapKV, Ada-KV and a ranked gate at 50%, on both shapes, eager and each
-# replaying one CUDA graph per step, the dense one on transformers' StaticCache). Each step of the
-# flex, flextests and decode parts runs under a time limit, so one slow step cannot eat a lease.
+# replaying one CUDA graph per step, the dense one on transformers' StaticCache), triton (the
+# Triton kernel's CUDA tests, then the kernel alone against the materialised one and SDPA flash,
+# and training steps at 1k-8k against the chunked and materialised kernels and LoRA-only). Each
+# step of the flex, flextests, decode and triton parts runs under a time limit, so one slow step
+# cannot eat a lease; with DEADLINE=S set, a step that would start after S seconds is skipped.
 #
 # A 15-minute lease (H200, 2026-11-26): `run OUT decode flextests` took ~7 min (the random
 # bases ~30 s, decode ~2.5 min, the flex tests ~4 min, mostly compilation) before the graphed
@@ -52,13 +55,13 @@ PY
   exit 0
 fi
 
-usage="usage: $0 prepare | run OUTDIR [tests|bench|oneshot|train|lora|flex|flextests|decode ...]"
+usage="usage: $0 prepare | run OUTDIR [tests|bench|oneshot|train|lora|flex|flextests|decode|triton ...]"
 [ "${1:-}" = run ] || { echo "$usage" >&2; exit 2; }
 out=${2:?$usage}
 shift 2
 parts=("$@"); [ ${#parts[@]} -gt 0 ] || parts=(tests bench oneshot train lora flex decode)
 for p in "${parts[@]}"; do
-  case $p in tests|bench|oneshot|train|lora|flex|flextests|decode) ;; *) echo "unknown PART '$p'; $usage" >&2; exit 2 ;; esac
+  case $p in tests|bench|oneshot|train|lora|flex|flextests|decode|triton) ;; *) echo "unknown PART '$p'; $usage" >&2; exit 2 ;; esac
 done
 want() { [[ " ${parts[*]} " == *" $1 "* ]]; }
 mkdir -p "$out"
@@ -67,11 +70,20 @@ if ls .whl/*.whl >/dev/null 2>&1; then
     --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 fi
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+# the compiled Triton kernels, not the interpreter the CPU suite runs them under
+export TRITON_INTERPRET=0
 py=python3
 # steps run inside pipelines (subshells), so failures are collected in a file, not a variable
 failed="$out/failed_steps.txt"
 rm -f "$failed"
-step() { echo "== $1"; shift; "$@" || { echo "FAILED ($?): $*"; echo "$*" >> "$failed"; }; }
+deadline=${DEADLINE:-0}
+step() {
+  echo "== $1"; shift
+  if [ "$deadline" -gt 0 ] && [ "$SECONDS" -ge "$deadline" ]; then
+    echo "SKIPPED (deadline ${deadline}s): $*"; echo "skipped: $*" >> "$failed"; return
+  fi
+  "$@" || { echo "FAILED ($?): $*"; echo "$*" >> "$failed"; }
+}
 
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$out/device.txt"
 $py -c "import torch, transformers, peft, lightning; print('torch', torch.__version__, '| transformers', transformers.__version__, '| peft', peft.__version__, '| lightning', lightning.__version__)" | tee -a "$out/device.txt"
@@ -82,8 +94,10 @@ fi
 
 base=/tmp/smollm2-random
 big=/tmp/llama7b-4layers-random
-step "random bases" $py bench/random_base.py .gpu/smollm2-config "$base"
-step "random bases" $py bench/random_base.py .gpu/llama7b-4layers "$big" --dtype bfloat16
+# written once per machine: several runs in one lease share them
+[ -f "$base/config.json" ] || step "random bases" $py bench/random_base.py .gpu/smollm2-config "$base"
+[ -f "$big/config.json" ] || step "random bases" $py bench/random_base.py .gpu/llama7b-4layers "$big" \
+  --dtype bfloat16
 docs=.gpu/docs.jsonl
 bench() {  # BASE DTYPE SEQ BATCH [PAIR [EXTRA...]]
   local b=$1 dt=$2 seq=$3 batch=$4 pair=${5:-materialised}; shift 5 2>/dev/null || shift $#
@@ -127,18 +141,39 @@ want train && {
   done
 } 2>&1 | grep --line-buffered -v "it/s\]" | tee "$out/train.log"
 
+if want triton; then
+  # one tile config per kernel in the tests (autotuning each of their shapes would take minutes)
+  step "pytest -m gpu -k triton" timeout 150 env KVGATE_TRITON_AUTOTUNE=0 $py -m pytest -m gpu \
+    tests/gpu -q -p no:cacheprovider -k triton --durations=5 2>&1 | tee "$out/pytest_triton.log"
+fi
 want decode && {
   step "pytest -m gpu -k graph" timeout 60 $py -m pytest -m gpu tests/gpu -q -p no:cacheprovider \
     -k graph
-  for b in "$base" "$big"; do
-    step "bench_decode $b" timeout 240 $py bench/bench_decode.py --device cuda --base "$b" \
+  # the Llama-2-7B layer shape first: the targets are set on it (DECODE_BASES=big|base picks)
+  for name in ${DECODE_BASES:-big base}; do
+    case $name in big) b=$big ;; base) b=$base ;; *) echo "DECODE_BASES: big or base" >&2; exit 2 ;; esac
+    step "bench_decode $b" timeout 200 $py bench/bench_decode.py --device cuda --base "$b" \
       --dtype bfloat16 --prompt 4096 --batch 1 8 32 --decode 32 --regimes dense snapkv adakv \
       gate dense-graph snapkv-graph adakv-graph gate-graph
   done
   # the dense baseline on whatever SDPA backend torch picks (cuDNN's on torch 2.11), at batch 8
-  step "bench_decode default SDPA" timeout 60 $py bench/bench_decode.py --device cuda \
+  [ "${DECODE_DEFAULT_SDPA:-1}" = 1 ] && step "bench_decode default SDPA" timeout 60 $py bench/bench_decode.py --device cuda \
     --base "$big" --dtype bfloat16 --prompt 4096 --batch 8 --decode 32 --dense-sdpa default
 } 2>&1 | grep --line-buffered -v "Loading weights" | tee "$out/bench_decode.log"
+
+want triton && {
+  step "bench_kernel --triton" timeout 90 $py bench/bench_kernel.py --device cuda --triton \
+    --repeats 5 --shapes 1,9,3,2048,64 1,32,32,2048,128 1,32,32,4096,128
+  step "bench_train triton 7B shape" timeout 150 $py bench/bench_train.py --pair materialised \
+    --device cuda --base "$big" --dtype bfloat16 --files "$docs" --batch 1 --steps 4 --triton \
+    --seq-len 1024 2048 4096 8192
+  step "bench_train lora triton 7B shape" timeout 100 $py bench/bench_train.py --pair lora \
+    --device cuda --base "$big" --dtype bfloat16 --files "$docs" --batch 1 --steps 4 --triton \
+    --seq-len 2048 4096 8192
+  step "bench_train triton SmolLM2 shape" timeout 80 $py bench/bench_train.py --pair materialised \
+    --device cuda --base "$base" --dtype bfloat16 --files "$docs" --batch 1 --steps 4 --triton \
+    --seq-len 1024 4096
+} 2>&1 | grep --line-buffered -v "it/s\]" | tee "$out/bench_triton.log"
 
 if want flextests; then
   # ~55 s of compilation before the first flex call of a process (H200, torch 2.11)

@@ -3,8 +3,14 @@
 from __future__ import annotations
 
 import importlib.util
+import os
 from pathlib import Path
 from types import ModuleType
+
+# Triton kernels (kernel "triton") run on the CPU only under Triton's interpreter, which is
+# chosen when triton is first imported (transformers imports it): so here, before anything
+# else. tests/gpu run with TRITON_INTERPRET=0 (bench/gpu_checks.sh) to test the real kernels.
+os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest
 import torch

@@ -221,7 +221,9 @@ def gated_attention(q: Tensor, k: Tensor, v: Tensor, gate: Tensor, allowed: Tens
     positions of each query bypass the gate (the diagonal always does); prompt [B, n] bool or
     None: one-shot use (module docstring), the gate only hides prompt keys from the rows after
     the prompt; kernel: "chunked" (this module), "flex" (``kvgate.attention.flex``:
-    block-sparse FlexAttention, trains on CUDA only) or "auto" (``choose_kernel``).
+    block-sparse FlexAttention, trains on CUDA only), "triton"
+    (``kvgate.attention.triton_kernel``: FlashAttention-2-style tiles, CUDA) or "auto"
+    (``choose_kernel``).
     Returns [B, H, n_q, d] in q's dtype. Softmax and accumulation run in fp32.
     """
     if kernel not in KERNELS:
@@ -243,10 +245,15 @@ def gated_attention(q: Tensor, k: Tensor, v: Tensor, gate: Tensor, allowed: Tens
         allowed = allowed[..., -nq:, -n:].expand(b, 1, nq, n)
     if prompt is not None and tuple(prompt.shape) != (b, n):
         raise ValueError(f"prompt shape {tuple(prompt.shape)} must be [B, n] = [{b}, {n}]")
-    if choose_kernel(kernel, q.device) == "flex":
+    chosen = choose_kernel(kernel, q.device)
+    if chosen == "flex":
         from kvgate.attention.flex import flex_gated_attention
 
         return flex_gated_attention(q, k, v, gate, allowed, scaling, int(recent), prompt)
+    if chosen == "triton":
+        from kvgate.attention.triton_kernel import triton_gated_attention
+
+        return triton_gated_attention(q, k, v, gate, allowed, scaling, int(recent), prompt)
     scaling = 1.0 / math.sqrt(d) if scaling is None else float(scaling)
     g = h // k.shape[1]
     kr = k.repeat_interleave(g, 1).float()

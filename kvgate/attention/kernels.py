@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Literal, get_args
 
 # "chunked": kvgate.attention.gated (any device); "flex": kvgate.attention.flex (block-sparse,
-# CUDA training); "auto": one of them per device (gated.choose_kernel)
-AttentionKernel = Literal["auto", "chunked", "flex"]
+# CUDA training); "triton": kvgate.attention.triton_kernel (FlashAttention-2-style, CUDA);
+# "auto": one of them per device (gated.choose_kernel)
+AttentionKernel = Literal["auto", "chunked", "flex", "triton"]
 KERNELS: tuple[str, ...] = get_args(AttentionKernel)

@@ -98,10 +98,10 @@ def test_training_q_k_v_through_flex_on_the_cpu_is_refused_by_name():
 
 def test_unknown_kernel_is_refused_by_name():
     q, k, v, gate, _ = _case(20, 20, per_query_head=False)
-    with pytest.raises(ValueError, match="unknown attention kernel 'triton'"):
-        gated_attention(q, k, v, gate, kernel="triton")
+    with pytest.raises(ValueError, match="unknown attention kernel 'cutlass'"):
+        gated_attention(q, k, v, gate, kernel="cutlass")
     with pytest.raises(ConfigError, match="GateConfig.kernel"):
-        GateConfig(kernel="triton")
+        GateConfig(kernel="cutlass")
 
 
 def test_auto_picks_the_chunked_kernel_on_the_cpu():

@@ -107,6 +107,47 @@ def test_flex_kernel_on_cuda_gives_the_chunked_kernels_output_and_four_gradients
     assert got_grads[3][gate.detach() == 0].abs().sum() > 0
 
 
+# each case compiles its own kernels (~5 s): a few that together cover every dtype, head
+# width 16 / 64 / 128, several tiles, queries after a prefix (nq < n) and both gate layouts
+@pytest.mark.parametrize("n,nq,d,dtype,one_shot,per_query_head", [
+    (37, 37, 16, torch.float32, False, False), (300, 300, 64, torch.float32, True, True),
+    (300, 100, 128, torch.bfloat16, True, False), (520, 520, 128, torch.bfloat16, False, False),
+    (300, 300, 64, torch.float16, False, True), (520, 200, 64, torch.bfloat16, False, True),
+])
+def test_triton_kernel_on_cuda_gives_the_chunked_kernels_output_and_four_gradients(
+        n, nq, d, dtype, one_shot, per_query_head):
+    """The compiled Triton kernels (tests/gate/test_triton_attention.py runs them interpreted):
+    GQA, padding, a recent band, one-shot prompts, fp32 exactly and half precision within
+    its rounding of the chunked kernel (fp32 throughout)."""
+    from kvgate.attention.triton_kernel import interpreting
+
+    assert not interpreting(), "run the GPU tests with TRITON_INTERPRET=0"
+    g = torch.Generator().manual_seed(0)
+    b, h, hk = 2, 4, 2
+    q = torch.randn(b, h, nq, d, generator=g).to(CUDA, dtype).requires_grad_(True)
+    k, v = (torch.randn(b, hk, n, d, generator=g).to(CUDA, dtype).requires_grad_(True)
+            for _ in "kv")
+    gate = (torch.rand(b, h if per_query_head else hk, n, generator=g) > 0.4).float()
+    gate = gate.to(CUDA).requires_grad_(True)
+    allowed = torch.ones(b, 1, nq, n, dtype=torch.bool, device=CUDA)
+    allowed[0, :, :, :3] = False
+    prompt = None
+    if one_shot:
+        prompt = torch.zeros(b, n, dtype=torch.bool, device=CUDA)
+        prompt[0, 3: n // 2], prompt[1, : n // 3] = True, True
+    results = {kernel: _grads(lambda *t, kernel=kernel: gated_attention(
+        *t, allowed, recent=5, prompt=prompt, kernel=kernel), q, k, v, gate)
+        for kernel in ("chunked", "triton")}
+    (want, want_grads), (got, got_grads) = results["chunked"], results["triton"]
+    tol = {torch.float32: 1e-4, torch.bfloat16: 3e-2, torch.float16: 5e-3}[dtype]
+    for name, a, b_ in zip(["out", "q", "k", "v", "gate"], [got, *got_grads],
+                           [want, *want_grads]):
+        assert a.dtype == b_.dtype, name
+        err = float((a.float() - b_.float()).abs().max() / b_.float().abs().max())
+        assert err < tol, f"d{name}: relative error {err:.2e} (tolerance {tol:.0e})"
+    assert got_grads[3][gate.detach() == 0].abs().sum() > 0
+
+
 def _gates_step(base_dir, device, gate: GateConfig, batch: dict) -> tuple[float, dict]:
     """Loss and trainable gradients of one gates-only step (same gate initialisation)."""
     torch.manual_seed(0)
@@ -135,6 +176,21 @@ def test_gated_model_training_step_on_the_flex_kernel_equals_the_chunked_one(bas
         batch["prompt_mask"][:, :200] = True
     gate = {"gamma": 0.0, "sinks": 2, "recent": 4, "prefill": prefill}
     _assert_same_step(_gates_step(base_dir, CUDA, GateConfig(**gate, kernel="flex"), batch),
+                      _gates_step(base_dir, CUDA, GateConfig(**gate, kernel="chunked"), batch))
+
+
+@pytest.mark.parametrize("prefill", ["gated", "full"])
+def test_gated_model_training_step_on_the_triton_kernel_equals_the_chunked_one(base_dir,
+                                                                              prefill):
+    """GateConfig.kernel "triton" through the patched layers, one-shot's two passes included."""
+    ids = torch.randint(4, 100, (2, 300), generator=torch.Generator().manual_seed(0))
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
+    batch["attention_mask"][0, :5] = 0  # left padding
+    if prefill == "full":
+        batch["prompt_mask"] = torch.zeros_like(ids, dtype=torch.bool)
+        batch["prompt_mask"][:, :200] = True
+    gate = {"gamma": 0.0, "sinks": 2, "recent": 4, "prefill": prefill}
+    _assert_same_step(_gates_step(base_dir, CUDA, GateConfig(**gate, kernel="triton"), batch),
                       _gates_step(base_dir, CUDA, GateConfig(**gate, kernel="chunked"), batch))
 
 

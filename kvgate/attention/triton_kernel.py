@@ -1,0 +1,478 @@
+"""Gated attention as FlashAttention-2-style Triton kernels: the fast path for training on CUDA.
+
+Same contract and rules as ``kvgate.attention.gated`` (read its docstring for the masks and the
+closed-form gate gradient of eq. 5 of the Attention-Gate paper). Eq. 5 is causal attention with
+a per-key keep flag plus an always-visible band, so it runs as FlashAttention does (Dao, 2023,
+"FlashAttention-2"): tiles of queries over tiles of keys, an online softmax, only the row
+log-sum-exp kept for the backward, tiles wholly above the diagonal never visited.
+
+- forward (``_forward``): one program per (batch, query head, query tile); the keep flags, the
+  base mask (causal, padding, sliding window), the recent band and the one-shot prompt rule
+  are evaluated per element from O(n) vectors, so no n x n tensor exists;
+- backward, two kernels over the same tiles as FlashAttention-2's:
+  ``_backward_kv`` (one program per (batch, KV head, key tile), looping over the query heads
+  of its group and the query tiles that can see the keys) accumulates dk, dv and the gate
+  gradient ``dL/dg_t = sum_j P~_jt (dO_j . v_t - D_j)`` over the gated region, where
+  ``P~_jt = exp(s_jt - lse_j)`` is the probability with the gate ignored (clamped at
+  ``EXP_CLAMP``, as the chunked kernel does). Every factor is one a flash backward forms
+  anyway (``dO_j . v_t`` for dS, ``D_j`` the row term), so the gate costs a masked sum;
+  ``_backward_q`` (one program per query tile) accumulates dq. Neither needs atomics.
+
+The base mask: ``allowed`` [B, 1, nq, n] is read once per call. When every row allows one
+contiguous run of keys (causal, left padding and a sliding window all do) it is reduced to
+two int32 vectors (first and last allowed key per row) and key tiles outside every row's run
+are skipped; any other mask is read per tile as int8.
+
+Operands enter the tiles in their own dtype (bf16 / fp16 on tensor cores, fp32 exactly:
+``input_precision="ieee"``); softmax statistics and every accumulation are fp32. On the CPU the
+kernels run only under Triton's interpreter (``TRITON_INTERPRET=1``, set before this module is
+imported): that is how the test suite checks them against the chunked kernel.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+from torch import Tensor
+
+from kvgate.attention.gated import EXP_CLAMP
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - exercised where triton is absent
+    triton = None
+
+LOG2E = 1.4426950408889634
+# the backward's clamp on P~ in the kernels' base-2 exponent units
+_CLAMP2 = EXP_CLAMP * LOG2E
+# masks the mask vectors can take (a constexpr of every kernel)
+_MASK_NONE, _MASK_RUNS, _MASK_DENSE = 0, 1, 2
+
+
+def triton_available() -> bool:
+    return triton is not None
+
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+if triton is not None:
+
+    @triton.jit
+    def _visible_and_gated(b, rows, pos, cols, nq, n, window, keep,
+                           LO, HI, MASK, PROMPT, s_lo_b, s_mask_b, s_mask_m, s_prompt_b,
+                           MASK_MODE: tl.constexpr, HAS_PROMPT: tl.constexpr):
+        """(base, visible, gated) [BM, BN] for query rows ``rows`` (positions ``pos``) over keys
+        ``cols``: the rules of ``kvgate.attention.gated._chunk_masks`` element by element."""
+        row_ok = rows < nq
+        col_ok = cols < n
+        causal = cols[None, :] <= pos[:, None]
+        if MASK_MODE == 1:
+            lo = tl.load(LO + b * s_lo_b + rows, mask=row_ok, other=0)
+            hi = tl.load(HI + b * s_lo_b + rows, mask=row_ok, other=-1)
+            base = causal & (cols[None, :] >= lo[:, None]) & (cols[None, :] <= hi[:, None])
+        elif MASK_MODE == 2:
+            m = tl.load(MASK + b * s_mask_b + rows[:, None] * s_mask_m + cols[None, :],
+                        mask=row_ok[:, None] & col_ok[None, :], other=0)
+            base = causal & (m != 0)
+        else:
+            base = causal
+        base = (base | (cols[None, :] == pos[:, None])) & row_ok[:, None] & col_ok[None, :]
+        ungated = causal & (pos[:, None] - cols[None, :] < window)
+        if HAS_PROMPT:
+            pr = tl.load(PROMPT + b * s_prompt_b + pos, mask=row_ok, other=0)
+            pc = tl.load(PROMPT + b * s_prompt_b + cols, mask=col_ok, other=1)
+            ungated = ungated | (pr[:, None] != 0) | (pc[None, :] == 0)
+        visible = base & (ungated | (keep[None, :] != 0))
+        gated = base & (ungated == 0)
+        return base, visible, gated
+
+    @triton.jit
+    def _first_key(b, row0, nq, offset, LO, s_lo_b, BLOCK_M: tl.constexpr,
+                   BLOCK_N: tl.constexpr, MASK_MODE: tl.constexpr):
+        """First key tile any of the query rows row0 .. row0 + BLOCK_M can see."""
+        start = 0
+        if MASK_MODE == 1:
+            rows = row0 + tl.arange(0, BLOCK_M)
+            lo = tl.load(LO + b * s_lo_b + rows, mask=rows < nq, other=2147483647)
+            # the diagonal is always visible, also in a padding row whose run is empty
+            start = tl.minimum(tl.min(lo, 0), offset + row0)
+            start = (start // BLOCK_N) * BLOCK_N
+        return start
+
+    @triton.jit
+    def _forward(Q, K, V, KEEP, LO, HI, MASK, PROMPT, O, LSE,
+                 s_q_b, s_q_h, s_q_m, s_k_b, s_k_h, s_k_n, s_v_b, s_v_h, s_v_n,
+                 s_o_b, s_o_h, s_o_m, s_keep_b, s_keep_h, s_lse_b, s_lse_h,
+                 s_lo_b, s_mask_b, s_mask_m, s_prompt_b,
+                 H, nq, n, offset, scale2, window, group, keep_group,
+                 D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+                 BLOCK_N: tl.constexpr, MASK_MODE: tl.constexpr, HAS_PROMPT: tl.constexpr,
+                 PRECISION: tl.constexpr):
+        pid_m = tl.program_id(0)
+        bh = tl.program_id(1)
+        b = bh // H
+        h = bh % H
+        hk = h // group
+        hg = h // keep_group
+        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        pos = offset + rows
+        dims = tl.arange(0, BLOCK_D)
+        dim_ok = dims < D
+        row_ok = rows < nq
+        q = tl.load(Q + b * s_q_b + h * s_q_h + rows[:, None] * s_q_m + dims[None, :],
+                    mask=row_ok[:, None] & dim_ok[None, :], other=0.0)
+        # finite start: a tile with no visible key in some row must not give exp(-inf + inf)
+        m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+        start = _first_key(b, pid_m * BLOCK_M, nq, offset, LO, s_lo_b, BLOCK_M, BLOCK_N,
+                           MASK_MODE)
+        stop = tl.minimum(n, offset + (pid_m + 1) * BLOCK_M)  # causal: no tile above the diagonal
+        for c0 in range(start, stop, BLOCK_N):
+            cols = c0 + tl.arange(0, BLOCK_N)
+            col_ok = cols < n
+            kv_mask = col_ok[:, None] & dim_ok[None, :]
+            k = tl.load(K + b * s_k_b + hk * s_k_h + cols[:, None] * s_k_n + dims[None, :],
+                        mask=kv_mask, other=0.0)
+            keep = tl.load(KEEP + b * s_keep_b + hg * s_keep_h + cols, mask=col_ok, other=0)
+            _, visible, _ = _visible_and_gated(b, rows, pos, cols, nq, n, window, keep, LO, HI,
+                                               MASK, PROMPT, s_lo_b, s_mask_b, s_mask_m,
+                                               s_prompt_b, MASK_MODE, HAS_PROMPT)
+            s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale2
+            s = tl.where(visible, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            p = tl.exp2(s - m_new[:, None])
+            alpha = tl.exp2(m_i - m_new)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            v = tl.load(V + b * s_v_b + hk * s_v_h + cols[:, None] * s_v_n + dims[None, :],
+                        mask=kv_mask, other=0.0)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+            m_i = m_new
+        l_i = tl.where(row_ok, l_i, 1.0)  # rows past the end see nothing: no 0 / 0
+        acc = acc / l_i[:, None]
+        tl.store(O + b * s_o_b + h * s_o_h + rows[:, None] * s_o_m + dims[None, :],
+                 acc.to(O.dtype.element_ty), mask=row_ok[:, None] & dim_ok[None, :])
+        # base-2 log-sum-exp of the scaled scores
+        tl.store(LSE + b * s_lse_b + h * s_lse_h + rows, m_i + tl.log2(l_i), mask=row_ok)
+
+    @triton.jit
+    def _backward_kv(Q, K, V, KEEP, LO, HI, MASK, PROMPT, DO, LSE, DELTA, DK, DV, DG,
+                     s_q_b, s_q_h, s_q_m, s_k_b, s_k_h, s_k_n, s_v_b, s_v_h, s_v_n,
+                     s_do_b, s_do_h, s_do_m, s_keep_b, s_keep_h, s_lse_b, s_lse_h,
+                     s_dk_b, s_dk_h, s_dk_n, s_dv_b, s_dv_h, s_dv_n, s_dg_b, s_dg_h,
+                     s_lo_b, s_mask_b, s_mask_m, s_prompt_b,
+                     Hk, nq, n, offset, scale, scale2, clamp2, window, group, keep_group,
+                     D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+                     BLOCK_N: tl.constexpr, MASK_MODE: tl.constexpr, HAS_PROMPT: tl.constexpr,
+                     KEEP_PER_QUERY_HEAD: tl.constexpr, PRECISION: tl.constexpr):
+        pid_n = tl.program_id(0)
+        bh = tl.program_id(1)
+        b = bh // Hk
+        hk = bh % Hk
+        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        dims = tl.arange(0, BLOCK_D)
+        dim_ok = dims < D
+        col_ok = cols < n
+        kv_mask = col_ok[:, None] & dim_ok[None, :]
+        k = tl.load(K + b * s_k_b + hk * s_k_h + cols[:, None] * s_k_n + dims[None, :],
+                    mask=kv_mask, other=0.0)
+        v = tl.load(V + b * s_v_b + hk * s_v_h + cols[:, None] * s_v_n + dims[None, :],
+                    mask=kv_mask, other=0.0)
+        dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+        dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+        dg_group = tl.zeros([BLOCK_N], dtype=tl.float32)
+        # the first query row that can see a key of this tile (causal: position >= its column)
+        first = tl.maximum(pid_n * BLOCK_N - offset, 0)
+        first = (first // BLOCK_M) * BLOCK_M
+        for gi in range(group):
+            h = hk * group + gi
+            hg = h // keep_group
+            keep = tl.load(KEEP + b * s_keep_b + hg * s_keep_h + cols, mask=col_ok, other=0)
+            dg = tl.zeros([BLOCK_N], dtype=tl.float32)
+            for r0 in range(first, nq, BLOCK_M):
+                rows = r0 + tl.arange(0, BLOCK_M)
+                pos = offset + rows
+                row_ok = rows < nq
+                q_mask = row_ok[:, None] & dim_ok[None, :]
+                q = tl.load(Q + b * s_q_b + h * s_q_h + rows[:, None] * s_q_m + dims[None, :],
+                            mask=q_mask, other=0.0)
+                do = tl.load(DO + b * s_do_b + h * s_do_h + rows[:, None] * s_do_m
+                             + dims[None, :], mask=q_mask, other=0.0)
+                lse = tl.load(LSE + b * s_lse_b + h * s_lse_h + rows, mask=row_ok, other=0.0)
+                delta = tl.load(DELTA + b * s_lse_b + h * s_lse_h + rows, mask=row_ok,
+                                other=0.0)
+                base, visible, gated = _visible_and_gated(
+                    b, rows, pos, cols, nq, n, window, keep, LO, HI, MASK, PROMPT, s_lo_b,
+                    s_mask_b, s_mask_m, s_prompt_b, MASK_MODE, HAS_PROMPT)
+                s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale2
+                # P~ for every key the base mask allows, kept or evicted; a visible key has
+                # s <= lse, so the clamp never touches the true probabilities
+                pt = tl.where(base, tl.exp2(tl.minimum(s - lse[:, None], clamp2)), 0.0)
+                p = tl.where(visible, pt, 0.0)
+                dv += tl.dot(tl.trans(p.to(do.dtype)), do, input_precision=PRECISION)
+                resid = tl.dot(do, tl.trans(v), input_precision=PRECISION) - delta[:, None]
+                ds = p * resid
+                dk += tl.dot(tl.trans(ds.to(q.dtype)), q, input_precision=PRECISION)
+                dg += tl.sum(tl.where(gated, pt * resid, 0.0), 0)
+            if KEEP_PER_QUERY_HEAD:
+                tl.store(DG + b * s_dg_b + h * s_dg_h + cols, dg, mask=col_ok)
+            else:
+                dg_group += dg
+        if not KEEP_PER_QUERY_HEAD:
+            tl.store(DG + b * s_dg_b + hk * s_dg_h + cols, dg_group, mask=col_ok)
+        tl.store(DK + b * s_dk_b + hk * s_dk_h + cols[:, None] * s_dk_n + dims[None, :],
+                 (dk * scale).to(DK.dtype.element_ty), mask=kv_mask)
+        tl.store(DV + b * s_dv_b + hk * s_dv_h + cols[:, None] * s_dv_n + dims[None, :],
+                 dv.to(DV.dtype.element_ty), mask=kv_mask)
+
+    @triton.jit
+    def _backward_q(Q, K, V, KEEP, LO, HI, MASK, PROMPT, DO, LSE, DELTA, DQ,
+                    s_q_b, s_q_h, s_q_m, s_k_b, s_k_h, s_k_n, s_v_b, s_v_h, s_v_n,
+                    s_do_b, s_do_h, s_do_m, s_keep_b, s_keep_h, s_lse_b, s_lse_h,
+                    s_dq_b, s_dq_h, s_dq_m, s_lo_b, s_mask_b, s_mask_m, s_prompt_b,
+                    H, nq, n, offset, scale, scale2, window, group, keep_group,
+                    D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+                    BLOCK_N: tl.constexpr, MASK_MODE: tl.constexpr, HAS_PROMPT: tl.constexpr,
+                    PRECISION: tl.constexpr):
+        pid_m = tl.program_id(0)
+        bh = tl.program_id(1)
+        b = bh // H
+        h = bh % H
+        hk = h // group
+        hg = h // keep_group
+        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        pos = offset + rows
+        dims = tl.arange(0, BLOCK_D)
+        dim_ok = dims < D
+        row_ok = rows < nq
+        q_mask = row_ok[:, None] & dim_ok[None, :]
+        q = tl.load(Q + b * s_q_b + h * s_q_h + rows[:, None] * s_q_m + dims[None, :],
+                    mask=q_mask, other=0.0)
+        do = tl.load(DO + b * s_do_b + h * s_do_h + rows[:, None] * s_do_m + dims[None, :],
+                     mask=q_mask, other=0.0)
+        lse = tl.load(LSE + b * s_lse_b + h * s_lse_h + rows, mask=row_ok, other=0.0)
+        delta = tl.load(DELTA + b * s_lse_b + h * s_lse_h + rows, mask=row_ok, other=0.0)
+        dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+        start = _first_key(b, pid_m * BLOCK_M, nq, offset, LO, s_lo_b, BLOCK_M, BLOCK_N,
+                           MASK_MODE)
+        stop = tl.minimum(n, offset + (pid_m + 1) * BLOCK_M)
+        for c0 in range(start, stop, BLOCK_N):
+            cols = c0 + tl.arange(0, BLOCK_N)
+            col_ok = cols < n
+            kv_mask = col_ok[:, None] & dim_ok[None, :]
+            k = tl.load(K + b * s_k_b + hk * s_k_h + cols[:, None] * s_k_n + dims[None, :],
+                        mask=kv_mask, other=0.0)
+            v = tl.load(V + b * s_v_b + hk * s_v_h + cols[:, None] * s_v_n + dims[None, :],
+                        mask=kv_mask, other=0.0)
+            keep = tl.load(KEEP + b * s_keep_b + hg * s_keep_h + cols, mask=col_ok, other=0)
+            _, visible, _ = _visible_and_gated(b, rows, pos, cols, nq, n, window, keep, LO, HI,
+                                               MASK, PROMPT, s_lo_b, s_mask_b, s_mask_m,
+                                               s_prompt_b, MASK_MODE, HAS_PROMPT)
+            s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale2
+            p = tl.where(visible, tl.exp2(s - lse[:, None]), 0.0)
+            resid = tl.dot(do, tl.trans(v), input_precision=PRECISION) - delta[:, None]
+            ds = p * resid
+            dq += tl.dot(ds.to(k.dtype), k, input_precision=PRECISION)
+        tl.store(DQ + b * s_dq_b + h * s_dq_h + rows[:, None] * s_dq_m + dims[None, :],
+                 (dq * scale).to(DQ.dtype.element_ty), mask=q_mask)
+
+
+# (BLOCK_M, BLOCK_N, num_warps, num_stages) candidates per kernel on CUDA, tuned once per head
+# width and mask kind (Triton's autotuner; FlashAttention-2's usual shapes): a config that
+# does not fit the chip's shared memory is skipped by the tuner
+_CANDIDATES = {
+    "fwd": [(128, 64, 8, 3), (128, 64, 4, 3), (64, 64, 4, 3), (128, 128, 8, 2)],
+    "kv": [(32, 64, 4, 3), (64, 64, 4, 2), (32, 128, 4, 3), (64, 128, 8, 2)],
+    "q": [(64, 32, 4, 3), (64, 64, 4, 2), (128, 32, 8, 3), (128, 64, 8, 2)],
+}
+# under the interpreter (tests): small tiles, so several tiles and their edges are exercised
+_INTERPRETER_TILES = (16, 16, 4, 1)
+_TUNE_KEY = ["D", "MASK_MODE", "HAS_PROMPT", "PRECISION"]
+
+
+def _tuned(kernel, which: str):
+    configs = [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=st)
+               for bm, bn, w, st in _CANDIDATES[which]]
+    return triton.autotune(configs=configs, key=_TUNE_KEY)(kernel)
+
+
+_TUNED: dict = {}
+
+
+def _launcher(which: str, device: torch.device):
+    """(kernel, tile kwargs): the autotuned kernel on CUDA, fixed small tiles elsewhere."""
+    kernel = {"fwd": _forward, "kv": _backward_kv, "q": _backward_q}[which]
+    if device.type != "cuda":
+        bm, bn, warps, stages = _INTERPRETER_TILES
+        return kernel, {"BLOCK_M": bm, "BLOCK_N": bn, "num_warps": warps, "num_stages": stages}
+    if os.environ.get("KVGATE_TRITON_AUTOTUNE", "1") == "0":
+        # the first candidate, untuned: tests compile one config per shape instead of four
+        bm, bn, warps, stages = _CANDIDATES[which][0]
+        return kernel, {"BLOCK_M": bm, "BLOCK_N": bn, "num_warps": warps, "num_stages": stages}
+    if which not in _TUNED:
+        _TUNED[which] = _tuned(kernel, which)
+    return _TUNED[which], {}
+
+
+def _mask_vectors(allowed: Tensor | None, b: int, nq: int, n: int, device: torch.device):
+    """(mode, lo, hi, dense) for the kernels from the base mask [B, 1, nq, n] bool or None.
+
+    Each row's allowed keys form one contiguous run [lo, hi] under causal, left-padding and
+    sliding-window masks: then two int32 vectors carry the mask and key tiles outside every
+    row's run are skipped. Any other pattern is passed as dense int8 [B, nq, n]."""
+    dummy = torch.zeros(1, dtype=torch.int32, device=device)
+    if allowed is None:
+        return _MASK_NONE, dummy, dummy, dummy.to(torch.int8)
+    rows = allowed[:, 0]
+    count = rows.sum(-1, dtype=torch.int32)
+    lo = rows.to(torch.int8).argmax(-1).to(torch.int32)
+    hi = (n - 1 - rows.flip(-1).to(torch.int8).argmax(-1)).to(torch.int32)
+    empty = count == 0
+    if bool(((hi - lo + 1 == count) | empty).all()):
+        # an empty row sees only its diagonal (set in the kernel): a run that holds no key
+        lo = torch.where(empty, torch.full_like(lo, n), lo).contiguous()
+        hi = torch.where(empty, torch.full_like(hi, -1), hi).contiguous()
+        return _MASK_RUNS, lo, hi, dummy.to(torch.int8)
+    return _MASK_DENSE, dummy, dummy, rows.to(torch.int8).contiguous()
+
+
+class _Problem:
+    """Everything the three kernels share for one call: contiguous operands, the keep flags
+    as int8, the mask vectors and the scalar arguments."""
+
+    def __init__(self, q, k, v, gate, allowed, prompt, scaling, recent):
+        self.b, self.h, self.nq, self.d = q.shape
+        self.hk, self.n = k.shape[1], k.shape[2]
+        self.q = q.contiguous()
+        # one dtype for the tiles: k and v enter as the queries do
+        self.k = k.to(q.dtype).contiguous()
+        self.v = v.to(q.dtype).contiguous()
+        self.keep = (gate.detach() > 0.5).to(torch.int8).contiguous()
+        self.keep_group = self.h // gate.shape[1]
+        self.group = self.h // self.hk
+        self.mode, self.lo, self.hi, self.dense = _mask_vectors(allowed, self.b, self.nq,
+                                                                self.n, q.device)
+        self.prompt = (prompt.to(torch.int8).contiguous() if prompt is not None
+                       else torch.zeros(1, dtype=torch.int8, device=q.device))
+        self.has_prompt = prompt is not None
+        self.scale = float(scaling)
+        self.offset = self.n - self.nq
+        self.window = max(int(recent), 1)
+        self.block_d = max(16, triton.next_power_of_2(self.d))
+        self.precision = "ieee" if q.dtype == torch.float32 else "tf32"
+
+    def mask_args(self) -> tuple:
+        return (self.lo.stride(0) if self.lo.dim() == 2 else 0,
+                self.dense.stride(0) if self.dense.dim() == 3 else 0,
+                self.dense.stride(1) if self.dense.dim() == 3 else 0,
+                self.prompt.stride(0) if self.prompt.dim() == 2 else 0)
+
+    def launch(self, which: str, rows: int):
+        """The kernel ``which`` ready to call on a grid of ``rows`` (tiles of BLOCK_M if
+        "M", else of BLOCK_N) x ``heads``, with its compile-time arguments."""
+        kernel, tiles = _launcher(which, self.q.device)
+        heads = self.b * (self.hk if which == "kv" else self.h)
+        tile = "BLOCK_N" if which == "kv" else "BLOCK_M"
+
+        def grid(meta):
+            return (triton.cdiv(rows, meta[tile]), heads)
+
+        consts = {"D": self.d, "BLOCK_D": self.block_d, "MASK_MODE": self.mode,
+                  "HAS_PROMPT": self.has_prompt, "PRECISION": self.precision, **tiles}
+        return kernel[grid], consts
+
+
+def _forward_call(pb: _Problem) -> tuple[Tensor, Tensor]:
+    out = torch.empty_like(pb.q)
+    lse = torch.empty(pb.b, pb.h, pb.nq, dtype=torch.float32, device=pb.q.device)
+    kernel, c = pb.launch("fwd", pb.nq)
+    q, k, v = pb.q, pb.k, pb.v
+    kernel(q, k, v, pb.keep, pb.lo, pb.hi, pb.dense, pb.prompt, out, lse,
+                   q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+                   v.stride(0), v.stride(1), v.stride(2),
+                   out.stride(0), out.stride(1), out.stride(2),
+                   pb.keep.stride(0), pb.keep.stride(1), lse.stride(0), lse.stride(1),
+                   *pb.mask_args(),
+                   pb.h, pb.nq, pb.n, pb.offset, pb.scale * LOG2E, pb.window, pb.group,
+                   pb.keep_group, **c)
+    return out, lse
+
+
+def _backward_call(pb: _Problem, out: Tensor, lse: Tensor, grad_out: Tensor):
+    q, k, v = pb.q, pb.k, pb.v
+    do = grad_out.to(q.dtype).contiguous()
+    delta = (do.float() * out.float()).sum(-1).contiguous()  # D_j = dO_j . o_j
+    dq = torch.empty_like(q)
+    dk = torch.empty_like(k)
+    dv = torch.empty_like(v)
+    per_query_head = pb.keep_group == 1 and pb.group > 1
+    dg = torch.empty(pb.b, pb.keep.shape[1], pb.n, dtype=torch.float32, device=q.device)
+    common = (pb.keep.stride(0), pb.keep.stride(1), lse.stride(0), lse.stride(1))
+    kernel, c = pb.launch("kv", pb.n)
+    kernel(q, k, v, pb.keep, pb.lo, pb.hi, pb.dense, pb.prompt, do, lse, delta,
+                       dk, dv, dg,
+                       q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1),
+                       k.stride(2), v.stride(0), v.stride(1), v.stride(2),
+                       do.stride(0), do.stride(1), do.stride(2), *common,
+                       dk.stride(0), dk.stride(1), dk.stride(2),
+                       dv.stride(0), dv.stride(1), dv.stride(2), dg.stride(0), dg.stride(1),
+                       *pb.mask_args(),
+                       pb.hk, pb.nq, pb.n, pb.offset, pb.scale, pb.scale * LOG2E, _CLAMP2,
+                       pb.window, pb.group, pb.keep_group,
+                       KEEP_PER_QUERY_HEAD=per_query_head, **c)
+    kernel, c = pb.launch("q", pb.nq)
+    kernel(q, k, v, pb.keep, pb.lo, pb.hi, pb.dense, pb.prompt, do, lse, delta, dq,
+                      q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1),
+                      k.stride(2), v.stride(0), v.stride(1), v.stride(2),
+                      do.stride(0), do.stride(1), do.stride(2), *common,
+                      dq.stride(0), dq.stride(1), dq.stride(2), *pb.mask_args(),
+                      pb.h, pb.nq, pb.n, pb.offset, pb.scale, pb.scale * LOG2E, pb.window,
+                      pb.group, pb.keep_group, **c)
+    return dq, dk, dv, dg
+
+
+class _TritonGatedAttention(torch.autograd.Function):
+    """Forward kernel without autograd; backward from the saved row statistics (O(n))."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, gate, problem):
+        out, lse = _forward_call(problem)
+        ctx.problem = problem
+        ctx.save_for_backward(out, lse)
+        ctx.dtypes = (q.dtype, k.dtype, v.dtype, gate.dtype)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        out, lse = ctx.saved_tensors
+        pb = ctx.problem
+        dq, dk, dv, dg = _backward_call(pb, out, lse, grad_out)
+        qt, kt, vt, gt = ctx.dtypes
+        return dq.to(qt), dk.to(kt), dv.to(vt), dg.to(gt), None
+
+
+def triton_gated_attention(q: Tensor, k: Tensor, v: Tensor, gate: Tensor,
+                           allowed: Tensor | None = None, scaling: float | None = None,
+                           recent: int = 0, prompt: Tensor | None = None) -> Tensor:
+    """``kvgate.attention.gated.gated_attention`` on the Triton kernels (same arguments, already
+    validated there; ``allowed`` bool [B, 1, n_q, n] or None). Returns [B, H, n_q, d] in q's
+    dtype; the tiles take q's dtype (fp32, bf16 or fp16), statistics stay fp32."""
+    if triton is None:
+        raise RuntimeError("the triton attention kernel needs the triton package "
+                           "(pip install 'kvgate[triton]'); use kernel 'chunked'")
+    if q.device.type != "cuda" and not interpreting():
+        raise RuntimeError(f"the triton attention kernel runs on CUDA (on {q.device.type} only "
+                           f"under TRITON_INTERPRET=1, for tests); use kernel 'chunked'")
+    if q.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise RuntimeError(f"the triton attention kernel takes fp32, bf16 or fp16, not {q.dtype}")
+    scaling = 1.0 / math.sqrt(q.shape[-1]) if scaling is None else float(scaling)
+    problem = _Problem(q.detach(), k.detach(), v.detach(), gate, allowed, prompt, scaling,
+                       recent)
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, gate)):
+        return _TritonGatedAttention.apply(q, k, v, gate, problem)
+    return _forward_call(problem)[0]
