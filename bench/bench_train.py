@@ -32,6 +32,7 @@ On CUDA each step is timed between device synchronisations.
 from __future__ import annotations
 
 import argparse
+import gc
 import sys
 import time
 from contextlib import contextmanager
@@ -169,6 +170,11 @@ def measure(args, regimes: dict, impl: dict, split: dict, seq_len: int) -> None:
                 opt.zero_grad(set_to_none=True)
                 failed[name] = ("out of memory" if isinstance(exc, torch.OutOfMemoryError)
                                 else f"failed: {type(exc).__name__}: {str(exc).splitlines()[0]}")
+                del exc
+                # the failed step's partial graph sits in reference cycles through the
+                # exception's frames: freed only by the collector, or the next regime's peak
+                # memory counts it (an H100's 8k triton peak read 2.65x the chunked kernel's)
+                gc.collect()
                 if cuda:
                     torch.cuda.empty_cache()
                 continue

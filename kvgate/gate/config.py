@@ -43,8 +43,9 @@ class GateConfig:
     # "full": one-shot, trained on prompt + continuation blocks: the prompt attends fully and
     # only the continuation reads the gated prompt, as when a heuristic compresses after prefill
     prefill: GatePrefill = "gated"
-    # gated attention's kernel (kvgate.attention): "chunked" runs anywhere; "flex" is
-    # block-sparse FlexAttention, trains on CUDA only; "auto" picks per device (choose_kernel)
+    # gated attention's kernel (kvgate.attention): "chunked" runs anywhere; "triton" is
+    # FlashAttention-2-style Triton kernels (CUDA); "flex" is block-sparse FlexAttention, trains
+    # on CUDA only; "auto" picks per device (triton on CUDA, chunked elsewhere: choose_kernel)
     kernel: GateKernel = "auto"
 
     def __post_init__(self) -> None:

@@ -104,9 +104,18 @@ def test_unknown_kernel_is_refused_by_name():
         GateConfig(kernel="cutlass")
 
 
-def test_auto_picks_the_chunked_kernel_on_the_cpu():
+def test_auto_picks_the_chunked_kernel_on_the_cpu_and_triton_on_cuda(monkeypatch):
+    import importlib.util
+
     assert choose_kernel("auto", torch.device("cpu")) == "chunked"
     assert choose_kernel("flex", torch.device("cpu")) == "flex"
+    found = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: object() if name == "triton" else found(name, *a))
+    assert choose_kernel("auto", torch.device("cuda")) == "triton"
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "triton" else found(name, *a))
+    assert choose_kernel("auto", torch.device("cuda")) == "chunked"
 
 
 @pytest.mark.parametrize("make", [tiny_llama_config, tiny_mistral_config])
