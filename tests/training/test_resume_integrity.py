@@ -181,3 +181,15 @@ def test_a_checkpoint_of_step_0_is_not_exported(trained, tmp_path):
     with pytest.raises(CheckpointError, match="global_step 0"):
         export_checkpoint(ckpt, tmp_path / "out")
     assert not (tmp_path / "out").exists()
+
+
+def test_the_export_typo_over_the_run_folder_deletes_nothing(trained, tmp_path, capsys):
+    """Issue #46: ``kvgate export RUN/checkpoints/last.ckpt RUN --overwrite`` (for RUN/gated)
+    exited 0 and replaced the whole run folder, every checkpoint included."""
+    run = copy_run(trained, tmp_path)
+    before = sorted(p.relative_to(run) for p in run.rglob("*"))
+    assert export_main([str(run / "checkpoints" / "last.ckpt"), str(run), "--overwrite"]) == 2
+    line = one_error_line(capsys)
+    assert "holds the checkpoint being exported" in line and str(run / "gated") in line
+    assert sorted(p.relative_to(run) for p in run.rglob("*")) == before
+    assert [p.name for p in tmp_path.iterdir()] == ["run"]  # no temporary left beside it
