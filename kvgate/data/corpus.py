@@ -65,9 +65,9 @@ from typing import Any
 from kvgate.data import embedded
 from kvgate.data.cache import data_cache_dir, read_json, write_json_atomic
 from kvgate.data.errors import DataError
-from kvgate.files import read_user_text
 from kvgate.data.overlap import NGRAM, NgramIndex, words
 from kvgate.data.tasks import TASKS, MCExample, embedded_splits, load_task
+from kvgate.files import read_user_text
 
 CORPUS_VERSION = 1  # bump when extraction or filtering changes: it invalidates the cache
 MIN_WORDS = NGRAM
