@@ -2,7 +2,8 @@
 
 A gated checkpoint is a folder::
 
-    kvgate_config.json   format version, base model id + fingerprint, gate config,
+    kvgate_config.json   format version, base model id + fingerprint (and the architecture
+                         fields it hashes, so a mismatch names the field), gate config,
                          training config, final metrics, size + sha256 of every file below
     gates.safetensors    gate weights, keys "<layer>.<param>" (absent when nothing is gated)
     adapter/             the LoRA adapter in peft's own format (absent without LoRA)
@@ -15,6 +16,8 @@ checkpoint behind. A killed export cannot clean up after itself: the next export
 folder removes the temporaries whose process is gone (same host, pid not running; those of an
 older kvgate, with no pid in the name, once untouched for a day). An OS error while writing
 (no space, no permission, a file where a folder should be) is a ``CheckpointError`` naming OUT.
+``overwrite`` replaces only a gated export or an empty folder (``place.py``: where an export
+goes, its temporaries and the rename into place).
 
 This module never imports the training package: inference depends on it alone.
 """
