@@ -293,9 +293,10 @@ def main(argv: list[str] | None = None, prog: str = "train.py") -> int:
                 _fit(cli, ckpt_path)
             finally:
                 stop.uninstall()
-    except SIGTERMException:
-        if stop.saved is None:
-            raise
+    except SIGTERMException:  # a SystemExit of status 0: a stop must not read as success
+        if stop.saved is None:  # Lightning's own SIGTERM handling (not the main thread)
+            note(f"stopped by SIGTERM at step {cli.trainer.global_step if cli else 0}")
+            return stop.exit_code
         note(f"stopped at step {stop.step}; resume with --ckpt_path last "
              f"(checkpoint {stop.saved})")
         return stop.exit_code
