@@ -126,14 +126,15 @@ fi
 common=(--data.source files --data.files "[$docs]" --data.max_docs 300 --data.num_workers 0
         --trainer.max_steps 6 --trainer.val_check_interval 3 --trainer.limit_val_batches 2)
 want train && {
-  step "train.py cpt_recipe on 1 GPU, bf16-mixed" $py train.py --config cpt_recipe \
+  # --overwrite: a rerun on the same machine trains afresh over the last check's checkpoints
+  step "train.py cpt_recipe on 1 GPU, bf16-mixed" $py train.py --config cpt_recipe --overwrite \
     --trainer.accelerator gpu --trainer.devices 1 --trainer.precision bf16-mixed \
     --model.dtype bfloat16 --model.base_model "$base" "${common[@]}" --data.seq_len 512
   # the paper's config as written (gates + LoRA, DeepSpeed ZeRO-2, bf16-mixed, gradient
   # checkpointing, 128-wide rotary gates) on the Llama-2-7B-shaped base: SmolLM2's heads are
   # 64 wide, which the config's gate head_dim of 128 rightly refuses
   step "train.py cpt_redpajama (DeepSpeed ZeRO-2) on 1 GPU" $py train.py --config cpt_redpajama \
-    --trainer.devices 1 --trainer.accumulate_grad_batches 1 "${common[@]}" \
+    --overwrite --trainer.devices 1 --trainer.accumulate_grad_batches 1 "${common[@]}" \
     --model.base_model "$big" --data.seq_len 1024
   for ckpt in runs/cpt_recipe/gated runs/cpt_redpajama/gated; do
     step "infer.py $ckpt on cuda" $py infer.py --checkpoint "$ckpt" --device cuda \

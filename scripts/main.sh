@@ -7,7 +7,8 @@
 #      (runs/cpt_recipe/gated);
 #   3. one document compressed once by the full cache, the learned gate and SnapKV at the
 #      gate's kept share, each answering the same question asked after compression.
-# Extra arguments go to train.py (e.g. --trainer.max_steps 20 for a quick look).
+# Extra arguments go to train.py (e.g. --trainer.max_steps 20 for a quick look). A rerun
+# resumes the run's newest checkpoint (--ckpt_path last; a killed run goes on where it stopped).
 set -euo pipefail
 # shellcheck source=scripts/setup.sh
 source "$(dirname "${BASH_SOURCE[0]}")/setup.sh"
@@ -15,7 +16,7 @@ cd "$KVGATE_ROOT"
 
 python -m kvgate.demo
 
-python train.py --config cpt_recipe "$@"
+python train.py --config cpt_recipe --ckpt_path last "$@"
 
 # 3. the same document compressed once by each policy, the question asked after compression
 #    (the policy never sees it), through the model's chat template

@@ -270,3 +270,77 @@ def test_load_gated_checks_the_device_before_reading_anything(tmp_path):
     with pytest.raises(ModelLoadError, match="not a device torch knows") as err:
         load_gated(tmp_path / "nope", device="gpu0x")
     assert "\n" not in str(err.value)
+
+
+# ---------------------------------------------------------------- issue #46: what --overwrite may replace
+def tiny_export(out, **kwargs):
+    return export_gated(torch.nn.Linear(2, 2), out, base_model="b", fingerprint="f", **kwargs)
+
+
+def test_overwrite_replaces_only_a_gated_export_or_an_empty_folder(tmp_path):
+    """Issue #46 (data loss): ``--overwrite`` replaced any folder, a run folder included."""
+    (tmp_path / "afile").write_text("keep me")
+    (tmp_path / "others").mkdir()
+    (tmp_path / "others" / "notes.txt").write_text("keep me")
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    (run / "checkpoints" / "last.ckpt").write_bytes(b"ckpt")
+    (run / "tb").mkdir()
+    refused = {"afile": "is a file, not a gated export",
+               "others": "holds files that are not a gated export",
+               "run": "is a training run's folder .*checkpoints, tb"}
+    for name, why in refused.items():
+        with pytest.raises(CheckpointError, match=f"{tmp_path / name}: {why}"):
+            tiny_export(tmp_path / name, overwrite=True)
+    with pytest.raises(CheckpointError, match="holds the checkpoint being exported"):
+        tiny_export(tmp_path / "run", overwrite=True, inputs=[run / "checkpoints" / "last.ckpt"])
+    assert (tmp_path / "afile").read_text() == "keep me"
+    assert (run / "checkpoints" / "last.ckpt").read_bytes() == b"ckpt"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["afile", "others", "run"]
+    (tmp_path / "empty").mkdir()
+    for name in ("empty", "empty"):  # an empty folder, then the gated export now there
+        assert read_meta(tiny_export(tmp_path / name, overwrite=True))
+    inside = tmp_path / "empty" / "in.ckpt"  # even a gated export is kept when it holds the input
+    inside.write_bytes(b"x")
+    with pytest.raises(CheckpointError, match="holds the checkpoint being exported"):
+        tiny_export(tmp_path / "empty", overwrite=True, inputs=[inside])
+
+
+def test_leftovers_of_an_interrupted_replace_are_removed_whatever_their_kind(tmp_path):
+    """Issue #46 case 6: the old OUT moved aside as ``.NAME.old-PID@HOST-*`` stayed for good
+    when it was a file (the clean-up removed folders only)."""
+    import socket
+    import subprocess
+
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    tag = f"{dead.pid}@{socket.gethostname()}-abcd1234"
+    (tmp_path / f".gated.old-{tag}").write_text("an old file")
+    (tmp_path / f".gated.tmp-{tag}").symlink_to(tmp_path / "nowhere")
+    (tmp_path / "target").mkdir()
+    (tmp_path / f".gated.old-{tag}x").symlink_to(tmp_path / "target")
+    tiny_export(tmp_path / "gated")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["gated", "target"]
+
+
+def test_a_base_that_differs_names_the_field(exported, bases):
+    """Issue #46 case 13: the error named two fingerprints, not the field that differs."""
+    _, out = exported
+    meta = read_meta(out)
+    assert meta["base"]["architecture"]["hidden_size"] == 64
+    with pytest.raises(CheckpointError, match=r"whose hidden_size is 64; the given base has "
+                                              r"hidden_size 32 \(and 1 more field"):
+        load_gated(out, base=bases["other"])
+
+
+def test_export_of_an_exported_folder_or_a_plain_folder_is_one_line(exported, tmp_path, capsys):
+    """Issue #46 case 12: an exported folder was taken for a DeepSpeed checkpoint."""
+    from kvgate.cli.export import main as export_main
+
+    _, out = exported
+    (tmp_path / "plain").mkdir()
+    for src, why in ((out, "a gated export"), (tmp_path / "plain", "a folder, but neither")):
+        assert export_main([str(src), str(tmp_path / "new")]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith(f"error: {src}: {why}"), err
+    assert not (tmp_path / "new").exists()

@@ -18,7 +18,7 @@ MAX_LINES = 450
 
 # lowest first; docs/ARCHITECTURE.md shows the same order
 LAYERS = [
-    "errors", "hub",
+    "errors", "files", "hub",
     "attention",
     "models",
     "gate",

@@ -114,6 +114,21 @@ class StaticDecodeCache(HandlerCache):
                    for t in (la.base_k, la.base_v, la.base_visible, la.tail_k, la.tail_v,
                              la.tail_real) if t is not None)
 
+    def write_back(self, cache: CompressedCache) -> None:
+        """Append the tokens decoded here to ``cache``, the compressed cache this one was
+        frozen from, as eager decode would have: its entries, positions, tokens seen and bytes
+        held then count the decoded tokens (one append per layer, no per-step work)."""
+        steps = self.steps_taken
+        if not steps:
+            return
+        lo, hi = self.start, self.start + steps
+        for layer, frozen in zip(cache.layers, self.layers):
+            offsets = torch.arange(steps, device=layer.real_seen.device)
+            layer.store.append(frozen.tail_k[:, :, lo:hi], frozen.tail_v[:, :, lo:hi],
+                               layer.real_seen[:, None] + offsets, padded=False)
+            layer.seen += steps
+            layer.real_seen = layer.real_seen + steps
+
     def note_replays(self, count: int = 1) -> None:
         """Count decode steps run without Python (CUDA graph replays)."""
         self.steps_taken += count

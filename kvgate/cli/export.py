@@ -4,7 +4,9 @@ CKPT is a Lightning checkpoint written by ``kvgate train`` (gates + LoRA + optim
 base weights), or a DeepSpeed checkpoint folder (consolidated first; needs deepspeed); the
 base is loaded again from the id recorded in it. OUT receives the folder described in
 ``kvgate.checkpoint``. ``--merge`` folds LoRA into the base weights and stores the merged base
-in OUT/merged (large: a full copy of the model).
+in OUT/merged (large: a full copy of the model). ``--overwrite`` replaces only what an export
+wrote (or an empty folder): a typo such as ``kvgate export RUN/checkpoints/last.ckpt RUN
+--overwrite`` is refused in one line, and the run is left as it was.
 """
 
 from __future__ import annotations
@@ -19,7 +21,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("ckpt", help="Lightning checkpoint (.ckpt) written by kvgate train")
     p.add_argument("out", help="output folder of the gated checkpoint")
     p.add_argument("--merge", action="store_true", help="merge LoRA into the base weights")
-    p.add_argument("--overwrite", action="store_true", help="replace an existing OUT")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace OUT when it holds a gated export or is an empty folder (a "
+                        "file, a run folder or the folder of CKPT is refused)")
     p.add_argument("--debug", action="store_true", help="show tracebacks")
 
 

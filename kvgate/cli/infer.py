@@ -17,11 +17,12 @@ from __future__ import annotations
 
 import argparse
 import json
-from pathlib import Path
+import sys
 from typing import Any
 
 from kvgate.cli import run_cli
 from kvgate.errors import KVGateError
+from kvgate.files import read_user_text
 from kvgate.inference import compress_cli
 
 
@@ -112,10 +113,8 @@ def _read_prompts(args: argparse.Namespace) -> list[str]:
     if args.prompt is not None:
         prompts = args.prompt
     else:
-        path = Path(args.prompt_file)
-        if not path.is_file():
-            raise CliError(f"--prompt-file {path}: no such file")
-        prompts = [line for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+        text = read_user_text(args.prompt_file, "--prompt-file")
+        prompts = [line for line in text.splitlines() if line.strip()]
     if not prompts or any(not p.strip() for p in prompts):
         raise CliError("empty prompt")
     return prompts
@@ -155,6 +154,10 @@ def run(args: argparse.Namespace) -> int:
         raise CliError(f"--cuda-graphs: policy {policy.name!r} evicts while decoding, so its "
                        "steps change shape; use a one-shot policy or leave the flag out")
     check_device(args.device)
+    if args.cuda_graphs and not str(args.device).startswith("cuda"):
+        # the same fixed-shape steps then run eagerly: same tokens and statistics, no speed-up
+        print(f"warning: --cuda-graphs has no effect on the {args.device.upper()} (CUDA graphs "
+              "need --device cuda); decoding as without it", file=sys.stderr)
     compress_cli.check_cli_arguments(args)
     prompts = None if args.context_file else _read_prompts(args)
     model, tokenizer = _load(args)

@@ -27,7 +27,17 @@ a lock left by a killed run is taken over with a warning line.
 a kill between a step checkpoint and ``last.ckpt``) and says which; with no checkpoint yet it
 starts from step 0 and says so (so a restart script can always pass it); when every checkpoint
 there is damaged it refuses. Any resume checkpoint is checked against its sha256 sidecar and
-read before the trainer creates a folder (``kvgate.training.integrity``).
+read before the trainer creates a folder (``kvgate.training.integrity``), and must have been
+written with this run's gate and LoRA shapes (``model.train``, ``model.gate.heads``,
+``model.lora.rank``, ...: one line naming the field otherwise). A run without ``--ckpt_path``
+into a folder that already holds checkpoints is refused, naming both ways on (``--ckpt_path
+last``, or a new ``--run_dir``); ``--overwrite`` deletes them and starts at step 0. Lightning
+refusing its set-up (too few batches for ``val_check_interval``) is one line too; a run refused
+before its first step leaves no folder of its own.
+
+SIGTERM or SIGINT (Ctrl-C) stops the run at the end of the current step, writes
+``CHECKPOINTS/stopped.ckpt``, prints ``stopped at step N; resume with --ckpt_path last`` and
+exits 143 / 130 (``kvgate.training.stop``); a second Ctrl-C interrupts at once.
 """
 
 from __future__ import annotations
@@ -35,6 +45,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import importlib.util
+import os
 import shutil
 import sys
 import warnings
@@ -46,10 +57,13 @@ from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
 from kvgate.cli import first_line
 from kvgate.errors import KVGateError
+from kvgate.files import check_output_dir
 from kvgate.training import KVGateDataModule, KVGateModule, TrainingConfigError
-from kvgate.training.errors import launch_rank
+from kvgate.training.errors import launch_rank, note
 from kvgate.training.integrity import resume_path
 from kvgate.training.runlock import RunLock
+from kvgate.training.start import check_fresh_start, check_resume_fits, remove_earlier_checkpoints
+from kvgate.training.stop import GracefulStop, SIGTERMException
 from kvgate.training.strategies import CPUDeepSpeedStrategy
 
 # importing the strategies module registers "deepspeed_cpu" with Lightning
@@ -152,6 +166,7 @@ class KVGateCLI(LightningCLI):
         check_strategy(self.config.get("trainer", {}).get("strategy"))
         check_steps(self.config.get("trainer", {}))
         if self.config.get("run_dir"):
+            check_output_dir(self.config.run_dir, "--run_dir")  # a file: one line, not 22
             move_outputs(self.config.trainer, self.config.run_dir)
 
 
@@ -250,21 +265,41 @@ def _run_lock(cli: KVGateCLI):
 
 
 def main(argv: list[str] | None = None, prog: str = "train.py") -> int:
-    """``kvgate train ...`` / ``python train.py ...``: 0 after training, 2 on a user error."""
+    """``kvgate train ...`` / ``python train.py ...``: 0 after training, 2 on a user error,
+    128 + the signal's number after a SIGTERM / SIGINT stop (a checkpoint written first)."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    debug = "--debug" in argv  # ours, not a config key: taken out before LightningCLI parses
-    argv = resolve_config_args([a for a in argv if a != "--debug"])
+    # ours, not config keys: taken out before LightningCLI parses
+    debug, overwrite = "--debug" in argv, "--overwrite" in argv
+    argv = resolve_config_args([a for a in argv if a not in ("--debug", "--overwrite")])
     warnings.filterwarnings("ignore", message="LightningCLI's args parameter")
     cli = None
     created = None
+    stop = GracefulStop()
     try:
         check_config_files(argv)
         cli = _build_cli(argv, prog)
         created = _created_root(Path(cli.trainer.log_dir))
         with _run_lock(cli):
             # checked (and "last" resolved) before fit creates the logger's folders
-            ckpt_path = resume_path(cli.trainer, cli.config.get("ckpt_path"))
-            cli.trainer.fit(cli.model, datamodule=cli.datamodule, ckpt_path=ckpt_path)
+            ckpt_path = resume_path(cli.trainer, cli.config.get("ckpt_path"),
+                                    fits=lambda path: check_resume_fits(path, cli.model))
+            earlier = []
+            if cli.config.get("ckpt_path") is None:
+                earlier = check_fresh_start(cli.trainer, overwrite)
+            remove_earlier_checkpoints(earlier)  # every check passed: --overwrite acts now
+            cli.trainer.callbacks.append(stop)
+            stop.install(cli.trainer)
+            try:
+                _fit(cli, ckpt_path)
+            finally:
+                stop.uninstall()
+    except SIGTERMException:  # a SystemExit of status 0: a stop must not read as success
+        if stop.saved is None:  # Lightning's own SIGTERM handling (not the main thread)
+            note(f"stopped by SIGTERM at step {cli.trainer.global_step if cli else 0}")
+            return stop.exit_code
+        note(f"stopped at step {stop.step}; resume with --ckpt_path last "
+             f"(checkpoint {stop.saved})")
+        return stop.exit_code
     except Exception as err:  # only our own errors are shortened; others re-raise
         cause = _find_cause(err, (KVGateError,))
         if cause is None or debug:
@@ -275,6 +310,27 @@ def main(argv: list[str] | None = None, prog: str = "train.py") -> int:
         print(f"error: {first_line(cause)}", file=sys.stderr)
         return 2
     return 0
+
+
+def _fit(cli: KVGateCLI, ckpt_path: str | None) -> None:
+    """``trainer.fit``; Lightning refusing its own set-up (too few batches for
+    ``val_check_interval``, ...) is a setting the user can change: one line."""
+    try:
+        cli.trainer.fit(cli.model, datamodule=cli.datamodule, ckpt_path=ckpt_path)
+    except (MisconfigurationException, ValueError) as err:
+        if cli.trainer.global_step > 0 or not _raised_by_lightning(err):
+            raise  # a failure while training, or not Lightning's own check: keep the trace
+        raise TrainingConfigError(f"trainer: {str(err).strip().splitlines()[0]}") from err
+
+
+def _raised_by_lightning(err: BaseException) -> bool:
+    """Whether ``err`` was raised by Lightning's own code (its checks of the trainer's
+    settings against the data), not by torch or kvgate below it."""
+    tb = err.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    lightning = f"{os.sep}lightning{os.sep}pytorch{os.sep}"
+    return tb is not None and lightning in tb.tb_frame.f_code.co_filename
 
 
 def _created_root(log_dir: Path) -> Path | None:

@@ -67,6 +67,7 @@ from kvgate.data.cache import data_cache_dir, read_json, write_json_atomic
 from kvgate.data.errors import DataError
 from kvgate.data.overlap import NGRAM, NgramIndex, words
 from kvgate.data.tasks import TASKS, MCExample, embedded_splits, load_task
+from kvgate.files import read_user_text
 
 CORPUS_VERSION = 1  # bump when extraction or filtering changes: it invalidates the cache
 MIN_WORDS = NGRAM
@@ -307,10 +308,10 @@ def load_text_files(paths: str | Path | Iterable[str | Path]) -> list[str]:
     docs: list[str] = []
     for raw_path in paths:
         path = Path(raw_path).expanduser()
-        if not path.is_file():
+        if not path.is_file() and not path.is_dir():
             raise DataError(f"text file {str(path)!r} does not exist")
         if path.suffix == ".txt":
-            text = path.read_text(encoding="utf-8").strip()
+            text = read_user_text(path, "text file").strip()
             docs.extend([text] if text else [])
         elif path.suffix == ".jsonl":
             docs.extend(_jsonl_texts(path))
@@ -322,19 +323,18 @@ def load_text_files(paths: str | Path | Iterable[str | Path]) -> list[str]:
 
 def _jsonl_texts(path: Path) -> list[str]:
     out = []
-    with open(path, encoding="utf-8") as f:
-        for number, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except ValueError as err:
-                raise DataError(f"{path}:{number}: not valid JSON ({err.msg})") from None
-            text = record.get("text") if isinstance(record, dict) else None
-            if not isinstance(text, str):
-                raise DataError(f"{path}:{number}: no string field 'text'")
-            if text.strip():
-                out.append(text.strip())
+    for number, line in enumerate(read_user_text(path, "text file").splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except ValueError as err:
+            raise DataError(f"{path}:{number}: not valid JSON ({err.msg})") from None
+        text = record.get("text") if isinstance(record, dict) else None
+        if not isinstance(text, str):
+            raise DataError(f"{path}:{number}: no string field 'text'")
+        if text.strip():
+            out.append(text.strip())
     return out
 
 

@@ -289,11 +289,13 @@ def run_pattern(cfg: PatternConfig, load: Loader | None = None) -> EvalOutput:
 def run_report(cfg: ReportConfig, load: Loader | None = None) -> EvalOutput:
     """results.md and the plots again from ``out/results.json`` (no model)."""
     from kvgate.data.cache import read_json
+    from kvgate.eval.shape import check_results
 
     out = Path(cfg.out)
     data = read_json(out / "results.json")
     if data is None:
         raise EvalError(f"{out / 'results.json'}: no readable results")
+    check_results(out / "results.json", data)
     return _finish(ResultStore(out, data.get("meta", {})))
 
 

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from kvgate.eval.masked import EvalError
+from kvgate.files import check_output_dir
 from kvgate.models.arch import parse_dtype
 from kvgate.models.load import check_device
 from kvgate.policies.base import Budget, Policy, PolicyError
@@ -143,6 +144,7 @@ class ReportConfig:
     def __post_init__(self) -> None:
         if not str(self.out).strip():
             raise EvalError("--out: give the folder of a results.json")
+        check_output_dir(self.out, "--out")
 
 
 @dataclass
@@ -162,6 +164,7 @@ class EvalConfig:
     def __post_init__(self) -> None:
         if not str(self.out).strip():
             raise EvalError("--out: give an output folder")
+        check_output_dir(self.out, "--out")  # a file (or a path through one): one line now
         if (self.model is None) == (self.checkpoint is None):
             raise EvalError("give one of --model or --checkpoint")
         _at_least(self.batch_size, "--batch-size")
@@ -295,6 +298,10 @@ class CorpusConfig(EvalConfig):
         self.budgets = parse_budgets(self.budgets)
         _at_least(self.docs, "--docs")
         _one_of(self.mode, "--mode", MODES)
+        if self.text_files:  # a missing, malformed or non-UTF-8 file: one line before loading
+            from kvgate.data import load_text_files
+
+            load_text_files(self.text_files)
 
     def settings(self) -> dict[str, Any]:
         if self.text_files:

@@ -37,6 +37,7 @@ from typing import Any
 from kvgate.data.cache import read_json, write_json_atomic
 from kvgate.eval.identity import check_settings, normal
 from kvgate.eval.masked import EvalError
+from kvgate.eval.shape import check_results
 from kvgate.policies.base import Budget
 
 RESULTS = "results.json"
@@ -109,10 +110,11 @@ class ResultStore:
         if not self.path.exists():
             return None
         data = read_json(self.path)
-        if not isinstance(data, dict) or not isinstance(data.get("results"), dict):
+        if data is None:
             raise EvalError(f"{self.path} exists but is not readable JSON of results; move it "
                             "away")
-        old = data.get("meta", {})
+        check_results(self.path, data)  # the shape too: one line, not a traceback later
+        old = data.setdefault("meta", {})
         for field in ("model", "checkpoint", "others_on", "weights"):
             if field == "weights" and None in (old.get(field), self._meta.get(field)):
                 continue  # a folder (or a loader) without the digest: taken as it is

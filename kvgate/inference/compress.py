@@ -19,7 +19,6 @@ import json
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -29,6 +28,7 @@ from kvgate.attention.masks import left_pad
 from kvgate.cache import CompressedCache
 from kvgate.cache.fork import fork_cache, grow_capacity
 from kvgate.cache.shared import SharedPrefill
+from kvgate.files import read_user_text
 from kvgate.inference.decode import decode, left_padded_positions, until_eos
 from kvgate.models.limits import InputTooLongError, context_limit, fit_to_context
 from kvgate.models.load import sync_device
@@ -100,9 +100,26 @@ def _tokenizer_ready(tokenizer: Any) -> None:
         tokenizer.pad_token = tokenizer.eos_token
 
 
-def compress(engine: Any, contexts: str | list[str], chat: bool = True) -> CompressedContext:
-    """Prefill ``contexts`` (left padded) under the engine's policy; no question is involved."""
-    return _prefill_contexts(engine, contexts, chat, engine.new_cache())
+def compress(engine: Any, contexts: str | list[str], chat: bool = True,
+             reserve: int = 1) -> CompressedContext:
+    """Prefill ``contexts`` (left padded) under the engine's policy; no question is involved.
+    ``reserve``: tokens that will follow each context (its longest question and the new
+    tokens; ``question_room``), so that ``engine.truncate`` cuts a context to what leaves them
+    room, and a refusal advises a length that fits."""
+    return _prefill_contexts(engine, contexts, chat, engine.new_cache(), reserve)
+
+
+def question_room(engine: Any, questions: list[str], max_new_tokens: int,
+                  answer_prefix: str | None = None, chat: bool = True) -> int:
+    """The tokens the longest of ``questions`` (as ``answer`` asks it) and ``max_new_tokens``
+    add after a compressed context."""
+    tok = engine.tokenizer
+    chat = bool(chat) and has_chat_template(tok)
+    tail = chat_parts(tok)[1] if chat else ""
+    shape = CompressedContext(None, None, None, chat, tail)  # only chat and suffix are read
+    longest = max(len(tok(_question_text(shape, q, answer_prefix),
+                          add_special_tokens=False)["input_ids"]) for q in questions)
+    return longest + max_new_tokens
 
 
 def compress_shared(engine: Any, contexts: str | list[str],
@@ -125,7 +142,7 @@ def compress_shared(engine: Any, contexts: str | list[str],
 
 @torch.no_grad()
 def _prefill_contexts(engine: Any, contexts: str | list[str], chat: bool,
-                      cache: CompressedCache) -> CompressedContext:
+                      cache: CompressedCache, reserve: int = 1) -> CompressedContext:
     contexts = [contexts] if isinstance(contexts, str) else list(contexts)
     if not contexts or any(not isinstance(c, str) or not c.strip() for c in contexts):
         raise PolicyError("contexts must be a non-empty list of non-empty strings")
@@ -137,8 +154,10 @@ def _prefill_contexts(engine: Any, contexts: str | list[str], chat: bool,
         rows = [tok(head + c + SEPARATOR, add_special_tokens=False)["input_ids"] for c in contexts]
     else:
         rows = [tok(c)["input_ids"] for c in contexts]
-    rows = fit_to_context(rows, context_limit(engine.model.config), 1, getattr(engine, "truncate", False),
-                          what="context")
+    rows = fit_to_context(rows, context_limit(engine.model.config), reserve,
+                          getattr(engine, "truncate", False), what="context",
+                          reserved="tokens for the question and its answer" if reserve > 1
+                          else "new tokens")
     ids, mask = left_pad(rows, tok.pad_token_id)
     device = engine.device
     ids, mask = ids.to(device), mask.to(device)
@@ -243,8 +262,9 @@ def _check_fits(engine: Any, compressed: CompressedContext, rows: list[list[int]
 
 def run_cli(engine: Any, args: Any) -> int:
     """Compress the context file once, answer every ``--question``, print answers and stats."""
-    context = Path(args.context_file).read_text(encoding="utf-8")
-    compressed = compress(engine, context, chat=args.chat)
+    context = read_user_text(args.context_file, "--context-file")
+    room = question_room(engine, args.question, args.max_new_tokens, args.answer_prefix, args.chat)
+    compressed = compress(engine, context, chat=args.chat, reserve=room)
     t0 = time.perf_counter()
     answers = answer(engine, compressed, args.question, args.max_new_tokens, args.answer_prefix)
     answer_ms = 1000.0 * (time.perf_counter() - t0)

@@ -7,10 +7,10 @@ torch; ``run`` loads the rest when a command actually runs.
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 from typing import Any
 
 from kvgate.errors import KVGateError
+from kvgate.files import read_user_text
 
 
 class CompressCliError(KVGateError, ValueError):
@@ -42,9 +42,7 @@ def check_cli_arguments(args: Any) -> None:
         return
     if getattr(args, "sample", False):
         raise CompressCliError("--context-file answers greedily; drop --sample")
-    if not Path(context_file).is_file():
-        raise CompressCliError(f"--context-file {context_file}: no such file")
-    if not Path(context_file).read_text(encoding="utf-8").strip():
+    if not read_user_text(context_file, "--context-file").strip():
         raise CompressCliError(f"--context-file {context_file}: empty")
     if not args.question or any(not q.strip() for q in args.question):
         raise CompressCliError("--context-file needs at least one non-empty --question")

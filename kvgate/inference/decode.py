@@ -27,7 +27,8 @@ def decode(model: nn.Module, out: Any, mask: Tensor, next_pos: Tensor, cache: An
     ``next_pos`` [B, 1] the next token's position. ``graphs``: run the steps at fixed shapes
     over the cache frozen after the prefill (``kvgate.inference.graphed``: one CUDA graph
     replayed per step on CUDA, the same step eagerly elsewhere; policies that evict while
-    decoding are refused). Returns (tokens per row, forwards run)."""
+    decoding are refused), then append what they decoded to ``cache``, so that it holds what
+    eager decode leaves. Returns (tokens per row, forwards run)."""
     pick = pick or (lambda logits: logits.argmax(-1))
     batch = mask.shape[0]
     done = torch.zeros(batch, dtype=torch.bool, device=mask.device)
@@ -53,6 +54,8 @@ def decode(model: nn.Module, out: Any, mask: Tensor, next_pos: Tensor, cache: An
                            past_key_values=cache, use_cache=True).logits[:, -1]
             next_pos = next_pos + 1
         steps += 1
+    if stepper is not None and stepper.cache is not cache and hasattr(stepper.cache, "write_back"):
+        stepper.cache.write_back(cache)  # the statistics then count the decoded tokens too
     return torch.stack(tokens, dim=1).tolist(), steps
 
 

@@ -39,8 +39,10 @@ def quiet_length_warning(tokenizer: Any) -> Any:
 
 
 def fit_to_context(token_ids: Sequence[Sequence[int]], limit: int | None, reserve: int = 0,
-                   truncate: bool = False, what: str = "prompt") -> list[list[int]]:
-    """Check (or cut) each sequence so that it plus ``reserve`` new tokens fits ``limit``.
+                   truncate: bool = False, what: str = "prompt",
+                   reserved: str = "new tokens") -> list[list[int]]:
+    """Check (or cut) each sequence so that it plus ``reserve`` tokens after it (``reserved``
+    says what they are: the new tokens, or a question and its answer) fits ``limit``.
 
     Without ``truncate`` a sequence that does not fit raises ``InputTooLongError``; with it,
     its first tokens are dropped (the end, where the question usually is, stays) and one line
@@ -51,14 +53,14 @@ def fit_to_context(token_ids: Sequence[Sequence[int]], limit: int | None, reserv
         return rows
     room = limit - max(0, int(reserve))
     if room < 1:
-        raise InputTooLongError(f"{reserve} new tokens leave no room for a {what} in the "
+        raise InputTooLongError(f"{reserve} {reserved} leave no room for a {what} in the "
                                 f"model's {limit:,}-token context")
     too_long = [(i, len(ids)) for i, ids in enumerate(rows) if len(ids) > room]
     if not too_long:
         return rows
     i, n = max(too_long, key=lambda x: x[1])
     if not truncate:
-        extra = f" + {reserve} new tokens" if reserve else ""
+        extra = f" + {reserve} {reserved}" if reserve else ""
         raise InputTooLongError(
             f"{what} {i} has {n:,} tokens{extra}; the model takes at most {limit:,} "
             f"(max_position_embeddings): shorten it or pass --truncate to keep its last {room:,}")

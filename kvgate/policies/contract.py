@@ -21,6 +21,7 @@ A budget at or above the prompt length keeps everything (no-op).
 
 from __future__ import annotations
 
+import numbers
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -70,8 +71,11 @@ class Budget:
                 value = float(value) if any(c in value for c in ".eE") else int(value)
             except ValueError as exc:
                 raise PolicyError(f"budget {value!r} is neither a ratio nor a token count") from exc
-        if isinstance(value, bool):
-            raise PolicyError(f"budget must be a number, got {value!r}")
+        if isinstance(value, bool) or not isinstance(value, numbers.Real):
+            # None included: a budget is required even where the policy ignores it (pass 1.0)
+            raise PolicyError(f"budget must be a ratio in (0, 1] or a token count >= 1, got "
+                              f"{value!r}")
+        value = int(value) if isinstance(value, numbers.Integral) else float(value)
         if isinstance(value, int) and value > 1:
             return cls(tokens=value)
         if isinstance(value, int) and value == 1:

@@ -3,7 +3,9 @@
 Layout: ``module`` (the LightningModule), ``objective`` (the loss of one batch), ``build``
 (base + LoRA + gates), ``optim`` (AdamW and its schedule), ``data`` (CPT and SFT data modules)
 on ``datamodule`` (resumable order, loaders) and ``batches`` (the batch contract),
-``callbacks``, ``export`` (to the gated-checkpoint format), ``lora``, ``strategies``.
+``callbacks``, ``export`` (to the gated-checkpoint format), ``lora``, ``strategies``; a run's
+safety: ``integrity`` (checkpoint sidecars), ``runlock``, ``start`` (what a run may start from)
+and ``stop`` (SIGTERM / SIGINT at a step's end, with a checkpoint).
 """
 
 from kvgate.training.callbacks import EvictionImageLogger, ExportGated, TokensPerSecond

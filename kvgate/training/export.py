@@ -16,14 +16,18 @@ from typing import Any
 
 import torch
 
-from kvgate.checkpoint import CheckpointError, export_gated
+from kvgate.checkpoint import CONFIG_NAME, CheckpointError, export_gated, is_gated_export
+from kvgate.checkpoint.place import check_target
+from kvgate.files import check_output_dir
 from kvgate.training.integrity import brief_error, verify_checkpoint, warn_unverified
 from kvgate.training.module import CKPT_KEY, KVGateModule
 
 
 def export_module(module: KVGateModule, out: str | os.PathLike, merge: bool = False,
-                  overwrite: bool = False, global_step: int | None = None) -> Path:
-    """Export a built ``KVGateModule`` (after or without training) to ``out``."""
+                  overwrite: bool = False, global_step: int | None = None,
+                  inputs: tuple[str | os.PathLike, ...] = ()) -> Path:
+    """Export a built ``KVGateModule`` (after or without training) to ``out``; ``inputs``: the
+    files it was read from, which ``overwrite`` must never replace."""
     if module.model is None:
         raise CheckpointError("export: the module's model is not built (call configure_model())")
     training = dict(module.hparams)
@@ -33,7 +37,7 @@ def export_module(module: KVGateModule, out: str | os.PathLike, merge: bool = Fa
         module.model, out, base_model=module.base_model, fingerprint=module.fingerprint,
         gate_config=module.gate_cfg if module.gated else None, training=training,
         metrics=dict(module.final_metrics), tokenizer=module.tokenizer, merge=merge,
-        overwrite=overwrite)
+        overwrite=overwrite, inputs=inputs)
 
 
 def load_lightning_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
@@ -42,6 +46,14 @@ def load_lightning_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
     folder) is consolidated into one file first."""
     path = Path(path)
     if path.is_dir():
+        if is_gated_export(path):
+            raise CheckpointError(f"{path}: a gated export (it has {CONFIG_NAME}), not a training "
+                                  "checkpoint: it is exported already; give a .ckpt file written "
+                                  "by kvgate train (e.g. RUN/checkpoints/last.ckpt)")
+        if not (path / "latest").is_file() and not (path / "checkpoint").is_dir():
+            raise CheckpointError(f"{path}: a folder, but neither a Lightning .ckpt file nor a "
+                                  "DeepSpeed checkpoint folder; give a .ckpt file written by "
+                                  "kvgate train (e.g. RUN/checkpoints/last.ckpt)")
         return _load_deepspeed_checkpoint(path)
     verified = verify_checkpoint(path, warn_missing=False)  # against its sha256 sidecar
     try:
@@ -98,9 +110,11 @@ def export_checkpoint(ckpt: str | os.PathLike, out: str | os.PathLike, merge: bo
     the export records the checkpoint's global step. Returns the folder written.
     ``CheckpointError`` for a checkpoint of step 0 (nothing trained: the export would hold
     the initial gates)."""
+    # where it goes is checked before the base loads: a refusal costs nothing
+    check_target(check_output_dir(out, "OUT"), overwrite, [ckpt])
     module = module_from_checkpoint(ckpt)
     if module.exported_step == 0:
         raise CheckpointError(f"{ckpt}: global_step 0, the run did no training step; "
                               "there is nothing trained to export")
     return export_module(module, out, merge=merge, overwrite=overwrite,
-                         global_step=module.exported_step)
+                         global_step=module.exported_step, inputs=(ckpt,))

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +31,7 @@ from kvgate.checkpoint import CheckpointError, sha256_file
 from kvgate.training.errors import note, warn
 
 __all__ = ["SIDECAR_SUFFIX", "ChecksumCheckpoints", "ChecksummedCheckpointIO", "brief_error",
-           "checkpoint_step",
+           "checkpoint_folders", "checkpoint_step", "load_mmap",
            "newest_checkpoint", "resume_path", "sidecar_path", "verify_checkpoint", "warn_unverified",
            "write_sidecar"]
 
@@ -99,7 +99,7 @@ def verify_checkpoint(path: str | os.PathLike, warn_missing: bool = True) -> boo
     return True
 
 
-def _load_mmap(path: Path) -> Any:
+def load_mmap(path: Path) -> Any:
     try:
         return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except RuntimeError as err:
@@ -123,7 +123,7 @@ def checkpoint_step(path: str | os.PathLike) -> int:
     if path.is_dir():
         return -1
     try:
-        ckpt = _load_mmap(path)
+        ckpt = load_mmap(path)
     except Exception as err:  # noqa: BLE001 - torch raises many types for a damaged file
         raise CheckpointError(f"{path}: not a readable Lightning checkpoint, truncated or "
                               f"damaged ({brief_error(err)})") from None
@@ -181,10 +181,12 @@ def checkpoint_folders(trainer: Any) -> tuple[list[Path], list[Path]]:
     return folders, files
 
 
-def resume_path(trainer: Any, ckpt_path: str | None) -> str | None:
+def resume_path(trainer: Any, ckpt_path: str | None,
+                fits: Callable[[str], None] | None = None) -> str | None:
     """``--ckpt_path`` made concrete and checked before anything is built or written:
     ``last`` -> the newest valid checkpoint of the run (None, with a note, when the run has
-    none yet); a file -> itself once verified and readable. ``best``, ``hpc``, ``registry``
+    none yet); a file -> itself once verified and readable; ``fits(path)`` then checks it
+    against the run (before the note saying what resumes). ``best``, ``hpc``, ``registry``
     and URLs are Lightning's to resolve."""
     if ckpt_path is None or not _local(ckpt_path) or ckpt_path in ("best", "hpc") \
             or str(ckpt_path).startswith("registry"):
@@ -200,10 +202,14 @@ def resume_path(trainer: Any, ckpt_path: str | None) -> str | None:
             note(f"--ckpt_path last: no checkpoint in {where}: starting from step 0")
             return None
         path, step = found
+        if fits is not None:
+            fits(str(path))
         at = f"global step {step}" if step >= 0 else "a DeepSpeed folder: the newest"
         note(f"--ckpt_path last: resuming from {path} ({at})")
         return str(path)
     checkpoint_step(ckpt_path)
+    if fits is not None:
+        fits(str(ckpt_path))
     return str(ckpt_path)
 
 

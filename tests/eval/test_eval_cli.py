@@ -270,3 +270,58 @@ def test_matched_others_on_the_base_switch_the_adapter_off(capsys, lora_checkpoi
     code, _, err = run(capsys, "matched", "--checkpoint", str(gates_only), "--policies", "h2o",
                        "--out", str(tmp_path / "g"), *common, "--others-on", "base")
     assert code == 2 and "no LoRA adapter" in err and err.count("\n") == 1
+
+
+# ------------------------------------------------------------------------------- issue #46
+def test_a_text_file_that_is_not_utf8_is_one_line_before_loading(capsys, no_model, tmp_path):
+    """Issue #46 case 1: ``eval ppl --text-files`` with a Latin-1 file: a 31-line traceback."""
+    path = tmp_path / "latin1.txt"
+    path.write_bytes(b"ok text, then caf\xe9")
+    code, _, err = run(capsys, "ppl", "--model", "x", "--out", str(tmp_path / "o"),
+                       "--text-files", str(path))
+    assert code == 2 and err.count("\n") == 1
+    assert err.startswith(f"error: text file {path}: not UTF-8 text (byte 0xe9 at offset 17)")
+    assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("where", ["a file", "below a file"])
+def test_an_out_that_is_a_file_or_inside_one_is_one_line(capsys, no_model, tmp_path, where):
+    """Issue #46 case 9: ``eval mc --out`` a file (or below one): 38 lines of traceback."""
+    (tmp_path / "afile").write_text("not a folder")
+    out = tmp_path / "afile" if where == "a file" else tmp_path / "afile" / "sub" / "out"
+    for command in (["mc", "--model", "x", "--tasks", "copa"], ["report"]):
+        code, _, err = run(capsys, *command, "--out", str(out))
+        assert code == 2 and err.count("\n") == 1, err
+        why = "is a file, not a folder" if where == "a file" else f"{tmp_path / 'afile'} is a file"
+        assert err.startswith(f"error: --out {out}: {why}")
+    assert (tmp_path / "afile").read_text() == "not a folder"
+
+
+@pytest.mark.parametrize("damage, field", [
+    ({"meta": "a string"}, "'meta' should be an object, found a string"),
+    ({"results": []}, "'results' should be an object of results by key, found a list"),
+    ({"examples": ["a", "b"]}, "examples should be an object of examples by id, found a list"),
+    ({"key": "not-a-key"}, "result key 'not-a-key' is not kind|task|policy|budget|mode"),
+])
+def test_a_results_file_of_the_wrong_shape_is_one_line(capsys, tiny_cli, tmp_path, damage,
+                                                       field):
+    """Issue #46 case 4: valid JSON of the wrong shape ended ``eval report`` / a scoring run
+    in a 30-41 line traceback."""
+    argv = ["mc", "--model", "x", "--out", str(tmp_path), "--tasks", "copa", "--policies",
+            "full", "--limit", "2", "--no-progress"]
+    assert run(capsys, *argv)[0] == 0
+    path = tmp_path / "results.json"
+    data = json.loads(path.read_text())
+    key = next(iter(data["results"]))
+    if "examples" in damage:
+        data["results"][key]["examples"] = damage["examples"]
+    elif "key" in damage:
+        data["results"][damage["key"]] = data["results"].pop(key)
+    else:
+        data.update(damage)
+    path.write_text(json.dumps(data))
+    for command in (argv, ["report", "--out", str(tmp_path)]):
+        code, _, err = run(capsys, *command)
+        assert code == 2 and err.count("\n") == 1, err
+        assert err.startswith(f"error: {path}: ") and field in err and "move it away" in err
+    assert json.loads(path.read_text()) == data  # nothing rewritten

@@ -78,3 +78,12 @@ def test_engine_errors_are_policy_errors(llama):
     engine = Engine(llama, tok, "window", 0.5, attn="flash")  # no scores needed: fine
     with pytest.raises(PolicyError, match="non-empty"):
         engine.generate([""])
+
+
+@pytest.mark.parametrize("budget", [None, "half", [0.5], True])
+def test_a_budget_that_is_not_a_number_is_a_policy_error(llama, budget):
+    """Issue #46 case 5: ``Engine(..., budget=None)`` was a bare TypeError."""
+    from kvgate.errors import KVGateError
+
+    with pytest.raises(KVGateError, match="budget"):
+        Engine(llama, char_tokenizer(), "snapkv", budget)

@@ -114,3 +114,61 @@ def test_a_device_this_machine_lacks_is_one_line(cli, tiny_base, capsys, device,
     err = capsys.readouterr().err
     assert code == 2 and err.startswith(f"error: {message}")
     assert err.count("\n") == 1 and tiny_base == []  # before any model was loaded
+
+
+# ------------------------------------------------------------------------------- issue #46
+@pytest.mark.parametrize("flag", ["--prompt-file", "--context-file"])
+def test_a_user_file_that_is_not_utf8_is_one_line_naming_the_byte(cli, tiny_base, capsys,
+                                                                  tmp_path, flag):
+    """Issue #46 case 1: a Latin-1 file ended in a 20-line UnicodeDecodeError."""
+    path = tmp_path / "latin1.txt"
+    path.write_bytes("caf\u00e9 au lait\n".encode("latin-1"))
+    extra = ["--question", "q?"] if flag == "--context-file" else []
+    assert cli.main(["--model", "tiny", flag, str(path), *extra]) == 2
+    err = capsys.readouterr().err
+    assert err == f"error: {flag} {path}: not UTF-8 text (byte 0xe9 at offset 3); save it " \
+                  "as UTF-8, e.g. iconv -f latin1 -t utf-8 FILE > FILE.utf8\n"
+    assert tiny_base == []  # before any model was loaded
+
+
+def test_cuda_graphs_off_cuda_say_so_and_give_the_same_statistics(cli, tiny_base, capsys):
+    """Issue #46 case 3: with --cuda-graphs on the CPU, "KV bytes held" left out the decoded
+    tokens (0.51x against 0.74x); now one line says the flag does nothing here."""
+    argv = ["--model", "tiny", "--policy", "snapkv", "--budget", "0.5", "--policy-opt",
+            "window=4", "--prompt", "a longer prompt for the cache", "--max-new-tokens", "6",
+            "--json"]
+    assert cli.main(argv) == 0
+    out, err = capsys.readouterr()
+    plain = json.loads(out)["stats"]
+    assert "cuda-graphs" not in err
+    assert cli.main([*argv, "--cuda-graphs"]) == 0
+    out, err = capsys.readouterr()
+    graphed = json.loads(out)["stats"]
+    assert err == ("warning: --cuda-graphs has no effect on the CPU (CUDA graphs need --device "
+                   "cuda); decoding as without it\n")
+    for key in ("bytes_held", "bytes_full", "kept_fraction", "new_tokens", "prompt_tokens"):
+        assert graphed[key] == plain[key], key
+
+
+def test_truncate_leaves_room_for_the_question_and_the_refusal_gives_a_length_that_fits(
+        cli, tiny_base, capsys, tmp_path):
+    """Issue #46 case 2: --truncate cut the context to the model's length less one token, then
+    refused it because the question and the new tokens no longer fit; the refusal's advice
+    ("keep its last N") could not fit either."""
+    import re
+
+    doc = tmp_path / "long.txt"
+    doc.write_text("x" * 300)
+    argv = ["--model", "tiny", "--context-file", str(doc), "--question", "what?",
+            "--max-new-tokens", "4", "--no-chat", "--json"]
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    found = re.search(r"context 0 has ([\d,]+) tokens \+ (\d+) tokens for the question and its "
+                      r"answer; the model takes at most 256 .* keep its last (\d+)", err)
+    assert found and err.count("\n") == 1, err
+    n, reserve, keep = (int(g.replace(",", "")) for g in found.groups())
+    assert reserve > 4 and keep + reserve == 256
+    assert cli.main([*argv, "--truncate"]) == 0
+    out, err = capsys.readouterr()
+    assert f"context 0 cut to its last {keep} of {n} tokens" in err
+    assert json.loads(out)["stats"]["context_tokens"] == keep

@@ -188,3 +188,25 @@ def test_command_line_runs_kvgate_piqa_offline(base, no_network, monkeypatch, tm
     [written] = list((tmp_path / "out").rglob("results_*.json"))
     row = json.loads(written.read_text())["results"]["kvgate_piqa"]
     assert 0.0 <= row["acc,none"] <= 1.0
+
+
+def test_a_user_error_through_the_entry_point_exits_2_in_one_line(base, monkeypatch, capsys,
+                                                                  tmp_path):
+    """Issue #46 case 14: the entry's one-line errors exited 1 where ``kvgate`` exits 2."""
+    import functools
+
+    import lm_eval.tasks
+
+    monkeypatch.setattr(lm_eval.tasks, "TaskManager",
+                        functools.partial(lm_eval.tasks.TaskManager, include_defaults=False))
+    _unset_and_restore_after(monkeypatch)
+    monkeypatch.setattr(sys, "argv", sys.argv[:1])
+    monkeypatch.chdir(tmp_path)
+    code = entry.main(["--model", "kvgate", "--model_args",
+                       f"pretrained={base},policy=snapkv,windw=4", "--tasks", "kvgate_piqa",
+                       "--limit", "2", "--device", "cpu"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and err[-1].startswith("error: ") and "windw" in err[-1], err[-3:]
+    # lm-eval's own log lines may come before (its handlers outlive earlier tests' streams);
+    # our error never comes as a traceback
+    assert not any("LMEvalError" in line for line in err), err[-5:]

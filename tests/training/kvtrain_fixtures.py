@@ -111,3 +111,25 @@ def tiny_config(tmp_path: Path, base_dir: str, **trainer) -> Path:
     path = tmp_path / "tiny.yaml"
     path.write_text(yaml.safe_dump(cfg))
     return path
+
+
+class SignalAt(Callback):
+    """Sends ``signum`` to this process when training step ``step`` starts (a kill from
+    outside, at a known step)."""
+
+    def __init__(self, step: int = 1, signum: int = 15) -> None:
+        self.step, self.signum = step, signum
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        import os
+
+        if trainer.global_step == self.step:
+            os.kill(os.getpid(), self.signum)
+
+
+def with_callback(config: Path, callback: dict, out: Path) -> Path:
+    """A copy of the run config ``config`` at ``out`` with one more trainer callback."""
+    cfg = yaml.safe_load(config.read_text())
+    cfg["trainer"]["callbacks"].append(callback)
+    out.write_text(yaml.safe_dump(cfg))
+    return out

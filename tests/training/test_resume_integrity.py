@@ -8,11 +8,12 @@ import contextlib
 import io
 import os
 import shutil
+import signal
 from pathlib import Path
 
 import pytest
 import torch
-from kvtrain_fixtures import save_tiny_base, tiny_config
+from kvtrain_fixtures import save_tiny_base, tiny_config, with_callback
 
 from kvgate.checkpoint import CheckpointError, load_gated
 from kvgate.cli.export import main as export_main
@@ -181,3 +182,84 @@ def test_a_checkpoint_of_step_0_is_not_exported(trained, tmp_path):
     with pytest.raises(CheckpointError, match="global_step 0"):
         export_checkpoint(ckpt, tmp_path / "out")
     assert not (tmp_path / "out").exists()
+
+
+def test_the_export_typo_over_the_run_folder_deletes_nothing(trained, tmp_path, capsys):
+    """Issue #46: ``kvgate export RUN/checkpoints/last.ckpt RUN --overwrite`` (for RUN/gated)
+    exited 0 and replaced the whole run folder, every checkpoint included."""
+    run = copy_run(trained, tmp_path)
+    before = sorted(p.relative_to(run) for p in run.rglob("*"))
+    assert export_main([str(run / "checkpoints" / "last.ckpt"), str(run), "--overwrite"]) == 2
+    line = one_error_line(capsys)
+    assert "holds the checkpoint being exported" in line and str(run / "gated") in line
+    assert sorted(p.relative_to(run) for p in run.rglob("*")) == before
+    assert [p.name for p in tmp_path.iterdir()] == ["run"]  # no temporary left beside it
+
+
+# ------------------------------------------------------------------------------- issue #46
+@pytest.mark.parametrize("signum, status", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
+def test_a_signal_stops_at_a_step_with_a_checkpoint_that_resumes_to_the_same_run(
+        signum, status, trained, tmp_path, capsys):
+    """Issue #46 case 10: ``kill -TERM`` on a running ``kvgate train`` exited 0 with no
+    checkpoint and no message. Now: the step ends, stopped.ckpt is written, one line, 143
+    (130 for Ctrl-C); ``--ckpt_path last`` resumes from it to the uninterrupted run's tensors."""
+    config, done, _ = trained
+    killed = with_callback(config, {"class_path": "kvtrain_fixtures.SignalAt",
+                                    "init_args": {"step": 1, "signum": int(signum)}},
+                           tmp_path / "killed.yaml")
+    run = tmp_path / "run"
+    assert main(["--config", str(killed), "--run_dir", str(run)]) == status
+    stopped = run / "checkpoints" / "stopped.ckpt"
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert lines[-1] == f"stopped at step 2; resume with --ckpt_path last (checkpoint {stopped})"
+    assert torch.load(stopped, weights_only=True)["global_step"] == 2
+    assert sidecar_path(stopped).is_file() and not (run / "gated").exists()  # nothing exported
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # handlers put back
+    if signum != signal.SIGTERM:
+        return
+    assert main(["--config", str(config), "--run_dir", str(run), "--ckpt_path", "last"]) == 0
+    assert f"resuming from {stopped} (global step 2)" in capsys.readouterr().err
+    resumed = torch.load(run / "checkpoints" / "last.ckpt", weights_only=True)
+    whole = torch.load(done / "checkpoints" / "last.ckpt", weights_only=True)
+    assert resumed["global_step"] == whole["global_step"] == 3
+    assert resumed["state_dict"].keys() == whole["state_dict"].keys()
+    for name, tensor in whole["state_dict"].items():
+        assert torch.equal(resumed["state_dict"][name], tensor), name
+
+
+def test_a_run_folder_holding_checkpoints_needs_ckpt_path_or_overwrite(trained, tmp_path,
+                                                                       capsys):
+    """Issue #46 case 11: a second run into a killed run's folder, without --ckpt_path,
+    started at step 0 and wrote ``*-v1.ckpt`` beside the old files."""
+    run = copy_run(trained, tmp_path)
+    before = sorted(p.relative_to(run) for p in run.rglob("*"))
+    assert main(["--config", str(trained[0]), "--run_dir", str(run)]) == 2
+    line = one_error_line(capsys)
+    assert f"{run / 'checkpoints'} already holds 2 checkpoint(s)" in line
+    assert "--ckpt_path last" in line and "--run_dir" in line and "--overwrite" in line
+    assert sorted(p.relative_to(run) for p in run.rglob("*")) == before
+    assert main(["--config", str(trained[0]), "--run_dir", str(run), "--overwrite",
+                 "--trainer.max_steps", "2"]) == 0
+    assert "deleted 2 checkpoint(s) of an earlier run" in capsys.readouterr().err
+    names = sorted(p.name for p in (run / "checkpoints").iterdir())
+    assert names == ["epoch=0-step=2.ckpt", "epoch=0-step=2.ckpt.sha256", "last.ckpt",
+                     "last.ckpt.sha256"]  # no -v1 pair, nothing of the earlier run
+
+
+@pytest.mark.parametrize("override, field", [
+    (["--model.gate.heads", "2"], "model.gate.heads 4, this run has 2"),
+    (["--model.lora.rank", "8"], "model.lora.rank 4, this run has 8"),
+    (["--model.train", "gates"], "model.train 'gates_lora', this run has 'gates'"),
+])
+def test_a_resume_checkpoint_of_other_shapes_is_one_line_before_fit(override, field, trained,
+                                                                    tmp_path, capsys):
+    """Issue #46 case 7: resuming with another gate size ended in a 154-line size-mismatch
+    traceback and left tb/version_0."""
+    run = copy_run(trained, tmp_path)
+    code = main(["--config", str(trained[0]), "--run_dir", str(run), "--ckpt_path", "last",
+                 "--trainer.logger", "lightning.pytorch.loggers.TensorBoardLogger",
+                 "--trainer.logger.save_dir", str(run / "tb"), *override])
+    assert code == 2
+    line = one_error_line(capsys)
+    assert line.startswith(f"error: --ckpt_path {run / 'checkpoints'}") and field in line
+    assert not (run / "tb").exists()  # refused before fit made the logger's folder

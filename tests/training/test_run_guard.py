@@ -202,3 +202,34 @@ def test_a_lock_of_another_host_is_refused(tmp_path):
         {"pid": 1, "host": "elsewhere.example", "started": "2024-01-01T00:00:00+00:00"}))
     with pytest.raises(RunInUseError, match="elsewhere.example"):
         RunLock(tmp_path).acquire()
+
+
+# ------------------------------------------------------------------------------- issue #46
+@pytest.mark.parametrize("where", ["a file", "below a file"])
+def test_a_run_dir_that_is_a_file_or_inside_one_is_one_line(where, base_dir, tmp_path, capsys,
+                                                            no_model_load):
+    """Issue #46 case 9: ``--run_dir`` naming a file was a 22-line FileExistsError."""
+    (tmp_path / "afile").write_text("keep")
+    run_dir = tmp_path / "afile" if where == "a file" else tmp_path / "afile" / "run"
+    assert main(["--config", str(tiny_config(tmp_path, base_dir)), "--run_dir", str(run_dir)]) == 2
+    assert one_error_line(capsys).startswith(f"error: --run_dir {run_dir}: ")
+    assert (tmp_path / "afile").read_text() == "keep"
+
+
+def test_lightning_refusing_its_set_up_is_one_line_and_leaves_no_tb(base_dir, tmp_path, capsys):
+    """Issue #46 case 8: too few documents for ``val_check_interval``: Lightning's message as a
+    32-line traceback, and tb/ left in the run folder."""
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "notes.txt").write_text("mine")  # a folder that existed before keeps its files
+    code = main(["--config", str(tiny_config(tmp_path, base_dir)), "--run_dir", str(run),
+                 "--data.init_args.n_docs", "4", "--data.init_args.val_fraction", "0.25",
+                 "--trainer.limit_val_batches", "1", "--trainer.val_check_interval", "10000",
+                 "--trainer.logger", "lightning.pytorch.loggers.TensorBoardLogger",
+                 "--trainer.logger.save_dir", str(run / "tb")])
+    assert code == 2
+    err = capsys.readouterr().err  # the base loaded first: its progress bar comes before
+    lines = [line for line in err.splitlines() if line.strip() and "Loading weights" not in line]
+    assert len(lines) == 1 and "Traceback" not in err, lines
+    assert lines[0].startswith("error: trainer: `val_check_interval` (10000) must be less than")
+    assert sorted(p.name for p in run.iterdir()) == ["notes.txt"]

@@ -16,6 +16,7 @@ from kvgate.errors import KVGateError
 from kvgate.integrations.lm_eval import TASK_NAMES, TASKS_DIR, register
 
 _SUBCOMMANDS_WITH_TASKS = ("run", "ls", "validate")
+EXIT_USAGE = 2  # as `kvgate`: a mistake the user can fix
 _OFFLINE = ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")
 
 
@@ -57,10 +58,25 @@ def main(argv: list[str] | None = None) -> int:
     sys.argv = ["lm-eval", *argv]  # lm-eval's parser reads sys.argv itself
     try:
         cli_evaluate()
-    except KVGateError as err:
-        print(f"error: {str(err).splitlines()[0]}", file=sys.stderr)
-        return 1
+    except Exception as err:  # only our own errors become one line; others keep their trace
+        cause = _kvgate_cause(err)
+        if cause is None:
+            raise
+        print(f"error: {(str(cause).strip().splitlines() or [type(cause).__name__])[0]}",
+              file=sys.stderr)
+        return EXIT_USAGE
     return 0
+
+
+def _kvgate_cause(err: BaseException | None) -> KVGateError | None:
+    """A ``KVGateError`` in ``err``'s chain (lm-eval may re-raise ours wrapped), or None."""
+    seen = set()
+    while err is not None and id(err) not in seen:
+        if isinstance(err, KVGateError):
+            return err
+        seen.add(id(err))
+        err = err.__cause__ or err.__context__
+    return None
 
 
 if __name__ == "__main__":

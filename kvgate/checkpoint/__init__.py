@@ -2,7 +2,8 @@
 
 A gated checkpoint is a folder::
 
-    kvgate_config.json   format version, base model id + fingerprint, gate config,
+    kvgate_config.json   format version, base model id + fingerprint (and the architecture
+                         fields it hashes, so a mismatch names the field), gate config,
                          training config, final metrics, size + sha256 of every file below
     gates.safetensors    gate weights, keys "<layer>.<param>" (absent when nothing is gated)
     adapter/             the LoRA adapter in peft's own format (absent without LoRA)
@@ -15,6 +16,8 @@ checkpoint behind. A killed export cannot clean up after itself: the next export
 folder removes the temporaries whose process is gone (same host, pid not running; those of an
 older kvgate, with no pid in the name, once untouched for a day). An OS error while writing
 (no space, no permission, a file where a folder should be) is a ``CheckpointError`` naming OUT.
+``overwrite`` replaces only a gated export or an empty folder (``place.py``: where an export
+goes, its temporaries and the rename into place).
 
 This module never imports the training package: inference depends on it alone.
 """
@@ -24,11 +27,9 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import re
 import shutil
-import socket
 import tempfile
-import time
+from collections.abc import Iterable
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -36,21 +37,31 @@ from typing import Any
 import torch
 from torch import nn
 
-from kvgate.errors import KVGateError
+from kvgate.checkpoint.format import (
+    ADAPTER_DIR,
+    CONFIG_NAME,
+    FORMAT,
+    FORMAT_VERSION,
+    GATES_NAME,
+    MERGED_DIR,
+    TOKENIZER_DIR,
+    CheckpointError,
+    is_gated_export,
+)
+from kvgate.checkpoint.place import (
+    check_target,
+    os_reason,
+    owner,
+    remove_stale_temporaries,
+    replace,
+    temp_prefix,
+)
 from kvgate.models.load import check_device
 
-FORMAT = "kvgate-gated"
-FORMAT_VERSION = 1
-CONFIG_NAME = "kvgate_config.json"
-GATES_NAME = "gates.safetensors"
-ADAPTER_DIR = "adapter"
-MERGED_DIR = "merged"
-TOKENIZER_DIR = "tokenizer"
-
-
-class CheckpointError(KVGateError, RuntimeError):
-    """A gated checkpoint is missing, damaged, of an unknown version, or does not fit the base
-    model it is loaded onto; the message names the file or field."""
+__all__ = ["ADAPTER_DIR", "CONFIG_NAME", "FORMAT", "FORMAT_VERSION", "GATES_NAME", "MERGED_DIR",
+           "TOKENIZER_DIR", "CheckpointError", "check_base", "export_gated", "gate_state",
+           "is_gated_export", "load_gate_weights", "load_gated", "merged_state", "read_meta",
+           "remove_stale_temporaries", "sha256_file"]
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -116,24 +127,26 @@ def merged_state(model: nn.Module) -> dict[str, torch.Tensor]:
 def export_gated(model: nn.Module, out: str | os.PathLike, *, base_model: str, fingerprint: str,
                  gate_config: Any | None = None, training: dict[str, Any] | None = None,
                  metrics: dict[str, float] | None = None, tokenizer: Any = None,
-                 merge: bool = False, overwrite: bool = False) -> Path:
+                 merge: bool = False, overwrite: bool = False,
+                 inputs: Iterable[str | os.PathLike] = ()) -> Path:
     """Write ``model``'s gates (+ LoRA adapter, or the merged base with ``merge``) to ``out``.
 
     ``model``: a patched (and/or peft-wrapped) LLaMA, Mistral or Qwen model. ``gate_config``: the
     ``GateConfig`` the gates were built with (None when not gated). Returns ``out``.
-    Raises ``CheckpointError`` when ``out`` exists and ``overwrite`` is False.
+    Raises ``CheckpointError`` when ``out`` exists and ``overwrite`` is False, and, even with
+    it, unless ``out`` is a gated export or an empty folder that holds none of ``inputs`` (the
+    checkpoint being exported): ``kvgate.checkpoint.place.check_target``.
     """
     from safetensors.torch import save_file
 
     out = Path(out)
-    if out.exists() and not overwrite:
-        raise CheckpointError(f"{out}: already exists (pass overwrite=True / --overwrite)")
+    check_target(out, overwrite, inputs)
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
         remove_stale_temporaries(out)
-        tmp = Path(tempfile.mkdtemp(prefix=f"{_temp_prefix(out)}{_owner()}-", dir=out.parent))
+        tmp = Path(tempfile.mkdtemp(prefix=f"{temp_prefix(out)}{owner()}-", dir=out.parent))
     except OSError as err:
-        raise CheckpointError(f"{out}: cannot write the export ({_os_reason(err)})") from None
+        raise CheckpointError(f"{out}: cannot write the export ({os_reason(err)})") from None
     try:
         gates = gate_state(model)
         if gates:
@@ -152,7 +165,8 @@ def export_gated(model: nn.Module, out: str | os.PathLike, *, base_model: str, f
         meta = {
             "format": FORMAT,
             "format_version": FORMAT_VERSION,
-            "base": {"id": base_model, "fingerprint": fingerprint},
+            "base": {"id": base_model, "fingerprint": fingerprint,
+                     "architecture": _architecture(model)},
             "gate": gate_config.to_dict() if gate_config is not None else None,
             "lora": lora and not merge,
             "merged": lora and merge,
@@ -163,100 +177,25 @@ def export_gated(model: nn.Module, out: str | os.PathLike, *, base_model: str, f
         }
         with open(tmp / CONFIG_NAME, "w", encoding="utf-8") as f:
             json.dump(meta, f, indent=2, sort_keys=True, default=str)
-        _replace(tmp, out)
+        replace(tmp, out)
     except OSError as err:
         shutil.rmtree(tmp, ignore_errors=True)
-        raise CheckpointError(f"{out}: cannot write the export ({_os_reason(err)})") from None
+        raise CheckpointError(f"{out}: cannot write the export ({os_reason(err)})") from None
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out
 
 
-def _os_reason(err: OSError) -> str:
-    name = getattr(err, "filename", None)
-    if isinstance(err, FileExistsError) and name and not Path(name).is_dir():
-        return f"{name} is a file, not a folder"
-    where = f": {name}" if name else ""
-    return f"{err.strerror or str(err).splitlines()[0]}{where}"
+def _architecture(model: nn.Module) -> dict[str, Any] | None:
+    """The base's architecture fields (what its fingerprint hashes), stored so that a base
+    that does not match can be told which field differs; None for a model without a config."""
+    from kvgate.models.arch import architecture_fields
 
-
-def _owner() -> str:
-    return f"{os.getpid()}@{socket.gethostname()}"
-
-
-def _temp_prefix(out: Path) -> str:
-    return f".{out.name}.tmp-"
-
-
-_OWNED = re.compile(r"(?P<pid>\d+)@(?P<host>.+)-[^-]*$")  # PID@HOST-XXXX (mkdtemp's tail)
-STALE_UNOWNED_S = 86400.0  # a temporary without owner untouched this long is a dead one
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def _newest_mtime(folder: Path) -> float:
-    times = [folder.lstat().st_mtime]
-    for path in folder.rglob("*"):
-        try:
-            times.append(path.lstat().st_mtime)
-        except OSError:
-            pass
-    return max(times)
-
-
-def _is_stale(folder: Path, tail: str, now: float) -> bool:
-    match = _OWNED.match(tail)
-    if match is None:  # an older kvgate's temporary: judged by its last write
-        return now - _newest_mtime(folder) > STALE_UNOWNED_S
-    pid, host = int(match["pid"]), match["host"]
-    if host != socket.gethostname():
-        return False  # another machine's export (a shared disk): cannot tell, keep it
-    return pid != os.getpid() and not _pid_alive(pid)
-
-
-def remove_stale_temporaries(out: str | os.PathLike) -> list[Path]:
-    """Remove the temporary folders (``.NAME.tmp-*``, ``.NAME.old-*``) that an export into
-    ``out`` killed before it finished left beside it; a live export's are kept. Returns the
-    folders removed."""
-    out = Path(out)
-    removed = []
-    if not out.parent.is_dir():
-        return removed
-    now = time.time()
-    for kind in (".tmp-", ".old-"):
-        prefix = f".{out.name}{kind}"
-        for folder in out.parent.iterdir():
-            if folder.name.startswith(prefix) and folder.is_dir() and not folder.is_symlink() \
-                    and _is_stale(folder, folder.name[len(prefix):], now):
-                shutil.rmtree(folder, ignore_errors=True)
-                removed.append(folder)
-    return removed
-
-
-def _replace(tmp: Path, out: Path) -> None:
-    """Move the finished ``tmp`` folder to ``out``; an old ``out`` survives until then."""
-    old = None
-    if out.exists():
-        old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-{_owner()}-", dir=out.parent))
-        old.rmdir()
-        out.rename(old)
-    try:
-        tmp.rename(out)
-    except BaseException:
-        if old is not None:
-            old.rename(out)
-        raise
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
+    config = getattr(_unwrap(model), "config", None)
+    if getattr(config, "model_type", None) is None:
+        return None
+    return json.loads(json.dumps(architecture_fields(config), default=str))
 
 
 # -------------------------------------------------------------------------------- load
@@ -317,14 +256,25 @@ def _load_base_for(meta: dict[str, Any], root: Path, base: Any, dtype: Any) -> t
 def check_base(meta: dict[str, Any], root: str | os.PathLike, model: nn.Module) -> None:
     """``CheckpointError`` unless ``model`` has the architecture the checkpoint was trained on."""
     from kvgate.models import model_fingerprint
+    from kvgate.models.arch import architecture_fields
 
-    found = model_fingerprint(_unwrap(model).config)
+    config = _unwrap(model).config
+    found = model_fingerprint(config)
     want = meta["base"].get("fingerprint")
-    if found != want:
-        raise CheckpointError(
-            f"{root}: base model mismatch: the checkpoint was trained on "
-            f"{meta['base'].get('id')!r} (fingerprint {want}), the given base has fingerprint "
-            f"{found}")
+    if found == want:
+        return
+    trained = f"{root}: base model mismatch: the checkpoint was trained on {meta['base'].get('id')!r}"
+    stored = meta["base"].get("architecture")
+    if isinstance(stored, dict):  # exports since the fields were stored: name the first
+        given = json.loads(json.dumps(architecture_fields(config), default=str))
+        differ = [k for k in sorted(set(stored) | set(given)) if stored.get(k) != given.get(k)]
+        if differ:
+            field = differ[0]
+            more = f" (and {len(differ) - 1} more field(s))" if len(differ) > 1 else ""
+            raise CheckpointError(f"{trained}, whose {field} is {stored.get(field)!r}; the "
+                                  f"given base has {field} {given.get(field)!r}{more}")
+    raise CheckpointError(f"{trained} (fingerprint {want}), the given base has fingerprint "
+                          f"{found}")
 
 
 def load_gate_weights(model: nn.Module, path: str | os.PathLike) -> None:
