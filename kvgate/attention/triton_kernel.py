@@ -6,6 +6,8 @@ a per-key keep flag plus an always-visible band, so it runs as FlashAttention do
 "FlashAttention-2"): tiles of queries over tiles of keys, an online softmax, only the row
 log-sum-exp kept for the backward, tiles wholly above the diagonal never visited.
 
+The kernels live in ``kvgate.attention.triton_tiles``; this module launches them.
+
 - forward (``_forward``): one program per (batch, query head, query tile); the keep flags, the
   base mask (causal, padding, sliding window), the recent band and the one-shot prompt rule
   are evaluated per element from O(n) vectors, so no n x n tensor exists;
@@ -38,12 +40,10 @@ import torch
 from torch import Tensor
 
 from kvgate.attention.gated import EXP_CLAMP
+from kvgate.attention.triton_tiles import triton
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # pragma: no cover - exercised where triton is absent
-    triton = None
+if triton is not None:
+    from kvgate.attention.triton_tiles import _backward_kv, _backward_q, _forward
 
 LOG2E = 1.4426950408889634
 # the backward's clamp on P~ in the kernels' base-2 exponent units
@@ -58,228 +58,6 @@ def triton_available() -> bool:
 
 def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
-if triton is not None:
-
-    @triton.jit
-    def _visible_and_gated(b, rows, pos, cols, nq, n, window, keep,
-                           LO, HI, MASK, PROMPT, s_lo_b, s_mask_b, s_mask_m, s_prompt_b,
-                           MASK_MODE: tl.constexpr, HAS_PROMPT: tl.constexpr):
-        """(base, visible, gated) [BM, BN] for query rows ``rows`` (positions ``pos``) over keys
-        ``cols``: the rules of ``kvgate.attention.gated._chunk_masks`` element by element."""
-        row_ok = rows < nq
-        col_ok = cols < n
-        causal = cols[None, :] <= pos[:, None]
-        if MASK_MODE == 1:
-            lo = tl.load(LO + b * s_lo_b + rows, mask=row_ok, other=0)
-            hi = tl.load(HI + b * s_lo_b + rows, mask=row_ok, other=-1)
-            base = causal & (cols[None, :] >= lo[:, None]) & (cols[None, :] <= hi[:, None])
-        elif MASK_MODE == 2:
-            m = tl.load(MASK + b * s_mask_b + rows[:, None] * s_mask_m + cols[None, :],
-                        mask=row_ok[:, None] & col_ok[None, :], other=0)
-            base = causal & (m != 0)
-        else:
-            base = causal
-        base = (base | (cols[None, :] == pos[:, None])) & row_ok[:, None] & col_ok[None, :]
-        ungated = causal & (pos[:, None] - cols[None, :] < window)
-        if HAS_PROMPT:
-            pr = tl.load(PROMPT + b * s_prompt_b + pos, mask=row_ok, other=0)
-            pc = tl.load(PROMPT + b * s_prompt_b + cols, mask=col_ok, other=1)
-            ungated = ungated | (pr[:, None] != 0) | (pc[None, :] == 0)
-        visible = base & (ungated | (keep[None, :] != 0))
-        gated = base & (ungated == 0)
-        return base, visible, gated
-
-    @triton.jit
-    def _first_key(b, row0, nq, offset, LO, s_lo_b, BLOCK_M: tl.constexpr,
-                   BLOCK_N: tl.constexpr, MASK_MODE: tl.constexpr):
-        """First key tile any of the query rows row0 .. row0 + BLOCK_M can see."""
-        start = 0
-        if MASK_MODE == 1:
-            rows = row0 + tl.arange(0, BLOCK_M)
-            lo = tl.load(LO + b * s_lo_b + rows, mask=rows < nq, other=2147483647)
-            # the diagonal is always visible, also in a padding row whose run is empty
-            start = tl.minimum(tl.min(lo, 0), offset + row0)
-            start = (start // BLOCK_N) * BLOCK_N
-        return start
-
-    @triton.jit
-    def _forward(Q, K, V, KEEP, LO, HI, MASK, PROMPT, O, LSE,
-                 s_q_b, s_q_h, s_q_m, s_k_b, s_k_h, s_k_n, s_v_b, s_v_h, s_v_n,
-                 s_o_b, s_o_h, s_o_m, s_keep_b, s_keep_h, s_lse_b, s_lse_h,
-                 s_lo_b, s_mask_b, s_mask_m, s_prompt_b,
-                 H, nq, n, offset, scale2, window, group, keep_group,
-                 D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
-                 BLOCK_N: tl.constexpr, MASK_MODE: tl.constexpr, HAS_PROMPT: tl.constexpr,
-                 PRECISION: tl.constexpr):
-        pid_m = tl.program_id(0)
-        bh = tl.program_id(1)
-        b = bh // H
-        h = bh % H
-        hk = h // group
-        hg = h // keep_group
-        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        pos = offset + rows
-        dims = tl.arange(0, BLOCK_D)
-        dim_ok = dims < D
-        row_ok = rows < nq
-        q = tl.load(Q + b * s_q_b + h * s_q_h + rows[:, None] * s_q_m + dims[None, :],
-                    mask=row_ok[:, None] & dim_ok[None, :], other=0.0)
-        # finite start: a tile with no visible key in some row must not give exp(-inf + inf)
-        m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
-        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-        acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-        start = _first_key(b, pid_m * BLOCK_M, nq, offset, LO, s_lo_b, BLOCK_M, BLOCK_N,
-                           MASK_MODE)
-        stop = tl.minimum(n, offset + (pid_m + 1) * BLOCK_M)  # causal: no tile above the diagonal
-        for c0 in range(start, stop, BLOCK_N):
-            cols = c0 + tl.arange(0, BLOCK_N)
-            col_ok = cols < n
-            kv_mask = col_ok[:, None] & dim_ok[None, :]
-            k = tl.load(K + b * s_k_b + hk * s_k_h + cols[:, None] * s_k_n + dims[None, :],
-                        mask=kv_mask, other=0.0)
-            keep = tl.load(KEEP + b * s_keep_b + hg * s_keep_h + cols, mask=col_ok, other=0)
-            _, visible, _ = _visible_and_gated(b, rows, pos, cols, nq, n, window, keep, LO, HI,
-                                               MASK, PROMPT, s_lo_b, s_mask_b, s_mask_m,
-                                               s_prompt_b, MASK_MODE, HAS_PROMPT)
-            s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale2
-            s = tl.where(visible, s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            p = tl.exp2(s - m_new[:, None])
-            alpha = tl.exp2(m_i - m_new)
-            l_i = l_i * alpha + tl.sum(p, 1)
-            v = tl.load(V + b * s_v_b + hk * s_v_h + cols[:, None] * s_v_n + dims[None, :],
-                        mask=kv_mask, other=0.0)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-            m_i = m_new
-        l_i = tl.where(row_ok, l_i, 1.0)  # rows past the end see nothing: no 0 / 0
-        acc = acc / l_i[:, None]
-        tl.store(O + b * s_o_b + h * s_o_h + rows[:, None] * s_o_m + dims[None, :],
-                 acc.to(O.dtype.element_ty), mask=row_ok[:, None] & dim_ok[None, :])
-        # base-2 log-sum-exp of the scaled scores
-        tl.store(LSE + b * s_lse_b + h * s_lse_h + rows, m_i + tl.log2(l_i), mask=row_ok)
-
-    @triton.jit
-    def _backward_kv(Q, K, V, KEEP, LO, HI, MASK, PROMPT, DO, LSE, DELTA, DK, DV, DG,
-                     s_q_b, s_q_h, s_q_m, s_k_b, s_k_h, s_k_n, s_v_b, s_v_h, s_v_n,
-                     s_do_b, s_do_h, s_do_m, s_keep_b, s_keep_h, s_lse_b, s_lse_h,
-                     s_dk_b, s_dk_h, s_dk_n, s_dv_b, s_dv_h, s_dv_n, s_dg_b, s_dg_h,
-                     s_lo_b, s_mask_b, s_mask_m, s_prompt_b,
-                     Hk, nq, n, offset, scale, scale2, clamp2, window, group, keep_group,
-                     D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
-                     BLOCK_N: tl.constexpr, MASK_MODE: tl.constexpr, HAS_PROMPT: tl.constexpr,
-                     KEEP_PER_QUERY_HEAD: tl.constexpr, PRECISION: tl.constexpr):
-        pid_n = tl.program_id(0)
-        bh = tl.program_id(1)
-        b = bh // Hk
-        hk = bh % Hk
-        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        dims = tl.arange(0, BLOCK_D)
-        dim_ok = dims < D
-        col_ok = cols < n
-        kv_mask = col_ok[:, None] & dim_ok[None, :]
-        k = tl.load(K + b * s_k_b + hk * s_k_h + cols[:, None] * s_k_n + dims[None, :],
-                    mask=kv_mask, other=0.0)
-        v = tl.load(V + b * s_v_b + hk * s_v_h + cols[:, None] * s_v_n + dims[None, :],
-                    mask=kv_mask, other=0.0)
-        dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
-        dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
-        dg_group = tl.zeros([BLOCK_N], dtype=tl.float32)
-        # the first query row that can see a key of this tile (causal: position >= its column)
-        first = tl.maximum(pid_n * BLOCK_N - offset, 0)
-        first = (first // BLOCK_M) * BLOCK_M
-        for gi in range(group):
-            h = hk * group + gi
-            hg = h // keep_group
-            keep = tl.load(KEEP + b * s_keep_b + hg * s_keep_h + cols, mask=col_ok, other=0)
-            dg = tl.zeros([BLOCK_N], dtype=tl.float32)
-            for r0 in range(first, nq, BLOCK_M):
-                rows = r0 + tl.arange(0, BLOCK_M)
-                pos = offset + rows
-                row_ok = rows < nq
-                q_mask = row_ok[:, None] & dim_ok[None, :]
-                q = tl.load(Q + b * s_q_b + h * s_q_h + rows[:, None] * s_q_m + dims[None, :],
-                            mask=q_mask, other=0.0)
-                do = tl.load(DO + b * s_do_b + h * s_do_h + rows[:, None] * s_do_m
-                             + dims[None, :], mask=q_mask, other=0.0)
-                lse = tl.load(LSE + b * s_lse_b + h * s_lse_h + rows, mask=row_ok, other=0.0)
-                delta = tl.load(DELTA + b * s_lse_b + h * s_lse_h + rows, mask=row_ok,
-                                other=0.0)
-                base, visible, gated = _visible_and_gated(
-                    b, rows, pos, cols, nq, n, window, keep, LO, HI, MASK, PROMPT, s_lo_b,
-                    s_mask_b, s_mask_m, s_prompt_b, MASK_MODE, HAS_PROMPT)
-                s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale2
-                # P~ for every key the base mask allows, kept or evicted; a visible key has
-                # s <= lse, so the clamp never touches the true probabilities
-                pt = tl.where(base, tl.exp2(tl.minimum(s - lse[:, None], clamp2)), 0.0)
-                p = tl.where(visible, pt, 0.0)
-                dv += tl.dot(tl.trans(p.to(do.dtype)), do, input_precision=PRECISION)
-                resid = tl.dot(do, tl.trans(v), input_precision=PRECISION) - delta[:, None]
-                ds = p * resid
-                dk += tl.dot(tl.trans(ds.to(q.dtype)), q, input_precision=PRECISION)
-                dg += tl.sum(tl.where(gated, pt * resid, 0.0), 0)
-            if KEEP_PER_QUERY_HEAD:
-                tl.store(DG + b * s_dg_b + h * s_dg_h + cols, dg, mask=col_ok)
-            else:
-                dg_group += dg
-        if not KEEP_PER_QUERY_HEAD:
-            tl.store(DG + b * s_dg_b + hk * s_dg_h + cols, dg_group, mask=col_ok)
-        tl.store(DK + b * s_dk_b + hk * s_dk_h + cols[:, None] * s_dk_n + dims[None, :],
-                 (dk * scale).to(DK.dtype.element_ty), mask=kv_mask)
-        tl.store(DV + b * s_dv_b + hk * s_dv_h + cols[:, None] * s_dv_n + dims[None, :],
-                 dv.to(DV.dtype.element_ty), mask=kv_mask)
-
-    @triton.jit
-    def _backward_q(Q, K, V, KEEP, LO, HI, MASK, PROMPT, DO, LSE, DELTA, DQ,
-                    s_q_b, s_q_h, s_q_m, s_k_b, s_k_h, s_k_n, s_v_b, s_v_h, s_v_n,
-                    s_do_b, s_do_h, s_do_m, s_keep_b, s_keep_h, s_lse_b, s_lse_h,
-                    s_dq_b, s_dq_h, s_dq_m, s_lo_b, s_mask_b, s_mask_m, s_prompt_b,
-                    H, nq, n, offset, scale, scale2, window, group, keep_group,
-                    D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
-                    BLOCK_N: tl.constexpr, MASK_MODE: tl.constexpr, HAS_PROMPT: tl.constexpr,
-                    PRECISION: tl.constexpr):
-        pid_m = tl.program_id(0)
-        bh = tl.program_id(1)
-        b = bh // H
-        h = bh % H
-        hk = h // group
-        hg = h // keep_group
-        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        pos = offset + rows
-        dims = tl.arange(0, BLOCK_D)
-        dim_ok = dims < D
-        row_ok = rows < nq
-        q_mask = row_ok[:, None] & dim_ok[None, :]
-        q = tl.load(Q + b * s_q_b + h * s_q_h + rows[:, None] * s_q_m + dims[None, :],
-                    mask=q_mask, other=0.0)
-        do = tl.load(DO + b * s_do_b + h * s_do_h + rows[:, None] * s_do_m + dims[None, :],
-                     mask=q_mask, other=0.0)
-        lse = tl.load(LSE + b * s_lse_b + h * s_lse_h + rows, mask=row_ok, other=0.0)
-        delta = tl.load(DELTA + b * s_lse_b + h * s_lse_h + rows, mask=row_ok, other=0.0)
-        dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-        start = _first_key(b, pid_m * BLOCK_M, nq, offset, LO, s_lo_b, BLOCK_M, BLOCK_N,
-                           MASK_MODE)
-        stop = tl.minimum(n, offset + (pid_m + 1) * BLOCK_M)
-        for c0 in range(start, stop, BLOCK_N):
-            cols = c0 + tl.arange(0, BLOCK_N)
-            col_ok = cols < n
-            kv_mask = col_ok[:, None] & dim_ok[None, :]
-            k = tl.load(K + b * s_k_b + hk * s_k_h + cols[:, None] * s_k_n + dims[None, :],
-                        mask=kv_mask, other=0.0)
-            v = tl.load(V + b * s_v_b + hk * s_v_h + cols[:, None] * s_v_n + dims[None, :],
-                        mask=kv_mask, other=0.0)
-            keep = tl.load(KEEP + b * s_keep_b + hg * s_keep_h + cols, mask=col_ok, other=0)
-            _, visible, _ = _visible_and_gated(b, rows, pos, cols, nq, n, window, keep, LO, HI,
-                                               MASK, PROMPT, s_lo_b, s_mask_b, s_mask_m,
-                                               s_prompt_b, MASK_MODE, HAS_PROMPT)
-            s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale2
-            p = tl.where(visible, tl.exp2(s - lse[:, None]), 0.0)
-            resid = tl.dot(do, tl.trans(v), input_precision=PRECISION) - delta[:, None]
-            ds = p * resid
-            dq += tl.dot(ds.to(k.dtype), k, input_precision=PRECISION)
-        tl.store(DQ + b * s_dq_b + h * s_dq_h + rows[:, None] * s_dq_m + dims[None, :],
-                 (dq * scale).to(DQ.dtype.element_ty), mask=q_mask)
 
 
 # (BLOCK_M, BLOCK_N, num_warps, num_stages) candidates per kernel on CUDA, tuned once per head
