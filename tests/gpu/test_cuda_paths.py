@@ -80,31 +80,46 @@ def test_cuda_and_cpu_give_the_same_gated_attention():
     torch.testing.assert_close(gpu.cpu(), cpu, atol=2e-5, rtol=1e-4)
 
 
-@pytest.mark.parametrize("n,nq", [(37, 37), (300, 300), (300, 100)])  # 100: after a prefix
-@pytest.mark.parametrize("recent", [0, 5])
-@pytest.mark.parametrize("one_shot", [False, True])
-def test_flex_kernel_on_cuda_gives_the_chunked_kernels_output_and_four_gradients(n, nq, recent,
-                                                                                 one_shot):
-    """FlexAttention's own backward (dq, dk, dv) plus the transposed gate-gradient pass."""
+def _kernel_case(n: int, nq: int, d: int = 16, dtype=torch.float32, one_shot: bool = False,
+                 per_query_head: bool = False):
+    """(q, k, v, gate) leaves on CUDA (2 x 4 query heads over 2 KV heads), the base mask with
+    sample 0 left-padded, and for one-shot use prompts of different lengths."""
     g = torch.Generator().manual_seed(0)
-    b, h, hk, d = 2, 4, 2, 16
-    q = torch.randn(b, h, nq, d, generator=g).to(CUDA).requires_grad_(True)
-    k, v = (torch.randn(b, hk, n, d, generator=g).to(CUDA).requires_grad_(True) for _ in "kv")
-    gate = (torch.rand(b, hk, n, generator=g) > 0.4).float().to(CUDA).requires_grad_(True)
+    b, h, hk = 2, 4, 2
+    q = torch.randn(b, h, nq, d, generator=g).to(CUDA, dtype).requires_grad_(True)
+    k, v = (torch.randn(b, hk, n, d, generator=g).to(CUDA, dtype).requires_grad_(True)
+            for _ in "kv")
+    gate = (torch.rand(b, h if per_query_head else hk, n, generator=g) > 0.4).float()
+    gate = gate.to(CUDA).requires_grad_(True)
     allowed = torch.ones(b, 1, nq, n, dtype=torch.bool, device=CUDA)
     allowed[0, :, :, :3] = False
     prompt = None
     if one_shot:
         prompt = torch.zeros(b, n, dtype=torch.bool, device=CUDA)
         prompt[0, 3: n // 2], prompt[1, : n // 3] = True, True
-    results = {kernel: _grads(lambda *t, kernel=kernel: gated_attention(
-        *t, allowed, recent=recent, prompt=prompt, kernel=kernel), q, k, v, gate)
-        for kernel in ("chunked", "flex")}
+    return (q, k, v, gate), allowed, prompt
+
+
+def _against_chunked(kernel: str, tensors, allowed, recent: int, prompt) -> dict:
+    """{kernel name: (output, [dq, dk, dv, dgate])} for the chunked kernel and ``kernel``."""
+    return {name: _grads(lambda *t, name=name: gated_attention(
+        *t, allowed, recent=recent, prompt=prompt, kernel=name), *tensors)
+        for name in ("chunked", kernel)}
+
+
+@pytest.mark.parametrize("n,nq", [(37, 37), (300, 300), (300, 100)])  # 100: after a prefix
+@pytest.mark.parametrize("recent", [0, 5])
+@pytest.mark.parametrize("one_shot", [False, True])
+def test_flex_kernel_on_cuda_gives_the_chunked_kernels_output_and_four_gradients(n, nq, recent,
+                                                                                 one_shot):
+    """FlexAttention's own backward (dq, dk, dv) plus the transposed gate-gradient pass."""
+    tensors, allowed, prompt = _kernel_case(n, nq, one_shot=one_shot)
+    results = _against_chunked("flex", tensors, allowed, recent, prompt)
     (want, want_grads), (got, got_grads) = results["chunked"], results["flex"]
     torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
     for name, a, b_ in zip(["q", "k", "v", "gate"], got_grads, want_grads):
         torch.testing.assert_close(a, b_, atol=5e-4, rtol=1e-3, msg=lambda m, name=name: f"d{name}: {m}")
-    assert got_grads[3][gate.detach() == 0].abs().sum() > 0
+    assert got_grads[3][tensors[3].detach() == 0].abs().sum() > 0
 
 
 # each case compiles its own kernels (~5 s): a few that together cover every dtype, head
@@ -122,22 +137,8 @@ def test_triton_kernel_on_cuda_gives_the_chunked_kernels_output_and_four_gradien
     from kvgate.attention.triton_kernel import interpreting
 
     assert not interpreting(), "run the GPU tests with TRITON_INTERPRET=0"
-    g = torch.Generator().manual_seed(0)
-    b, h, hk = 2, 4, 2
-    q = torch.randn(b, h, nq, d, generator=g).to(CUDA, dtype).requires_grad_(True)
-    k, v = (torch.randn(b, hk, n, d, generator=g).to(CUDA, dtype).requires_grad_(True)
-            for _ in "kv")
-    gate = (torch.rand(b, h if per_query_head else hk, n, generator=g) > 0.4).float()
-    gate = gate.to(CUDA).requires_grad_(True)
-    allowed = torch.ones(b, 1, nq, n, dtype=torch.bool, device=CUDA)
-    allowed[0, :, :, :3] = False
-    prompt = None
-    if one_shot:
-        prompt = torch.zeros(b, n, dtype=torch.bool, device=CUDA)
-        prompt[0, 3: n // 2], prompt[1, : n // 3] = True, True
-    results = {kernel: _grads(lambda *t, kernel=kernel: gated_attention(
-        *t, allowed, recent=5, prompt=prompt, kernel=kernel), q, k, v, gate)
-        for kernel in ("chunked", "triton")}
+    tensors, allowed, prompt = _kernel_case(n, nq, d, dtype, one_shot, per_query_head)
+    results = _against_chunked("triton", tensors, allowed, 5, prompt)
     (want, want_grads), (got, got_grads) = results["chunked"], results["triton"]
     tol = {torch.float32: 1e-4, torch.bfloat16: 3e-2, torch.float16: 5e-3}[dtype]
     for name, a, b_ in zip(["out", "q", "k", "v", "gate"], [got, *got_grads],
@@ -145,7 +146,7 @@ def test_triton_kernel_on_cuda_gives_the_chunked_kernels_output_and_four_gradien
         assert a.dtype == b_.dtype, name
         err = float((a.float() - b_.float()).abs().max() / b_.float().abs().max())
         assert err < tol, f"d{name}: relative error {err:.2e} (tolerance {tol:.0e})"
-    assert got_grads[3][gate.detach() == 0].abs().sum() > 0
+    assert got_grads[3][tensors[3].detach() == 0].abs().sum() > 0
 
 
 def _gates_step(base_dir, device, gate: GateConfig, batch: dict) -> tuple[float, dict]:
