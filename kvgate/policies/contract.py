@@ -18,7 +18,9 @@ checks the class (``isinstance``), never the presence of a method:
 Budget meaning, written down once: a budget is the number of prompt entries each KV head
 keeps, given either as a ratio of the *real* (non-padding) prompt length or as an absolute
 token count. Sinks, recent windows and observation windows are *inside* the budget.
-A budget at or above the prompt length keeps everything (no-op).
+A budget at or above the prompt length keeps everything (no-op). A scored policy with
+``allocation="global"`` (``policies.base.AllocationOption``) spends the same total, budget x
+layers x KV heads per sample, on one ranking over all layers and heads instead.
 """
 
 from __future__ import annotations
