@@ -251,7 +251,7 @@ class CompressedCache(HandlerCache):
         else:
             if self.awaiting_passes:
                 raise CacheError(f"policy {self.policy.name!r} chooses after its extra passes "
-                                 "(kvgate.inference.passes.run_passes): run them first")
+                                 "(kvgate.inference.compress.run_passes): run them first")
             if layer.store.batch != b:
                 raise CacheError(f"batch of {b} rows, but this cache was filled with "
                                  f"{layer.store.batch}; use a new cache for a new batch")

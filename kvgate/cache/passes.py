@@ -8,9 +8,9 @@ Two kinds of policy need every layer's scores before they can choose:
   forced entries; after the last layer's prefill the ranking keeps what it keeps in every
   layer (``choose_all``), inside the same forward;
 - a ``PassScoring`` policy (KVzip): each layer stores its whole prompt and zero scores; the
-  owner of the model runs the policy's extra passes (``kvgate.inference.passes``), whose
-  attention calls land in ``pass_attention`` (attend over the stored prompt and the pass's own
-  rows, store nothing, raise the running scores), then calls ``choose_all``.
+  owner of the model runs the policy's extra passes (``kvgate.inference.compress.run_passes``),
+  whose attention calls land in ``pass_attention`` (attend over the stored prompt and the
+  pass's own rows, store nothing, raise the running scores), then calls ``choose_all``.
 
 Scores live in the store's slot layout ``[B, H_kv, T]``: right after such a prefill every head
 of a sample holds its real tokens in order, so slot t is the sample's t-th real token.

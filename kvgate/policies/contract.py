@@ -257,10 +257,11 @@ class PassScoring(Policy):
     extra forward passes of the model over the full prompt cache (KVzip's repeat pass).
 
     The cache encodes the prompt with full attention and stores every real entry. Whoever owns
-    the model and the tokenizer (``kvgate.inference.passes.run_passes``: ``Engine.prefill`` /
-    ``generate`` / ``compress`` call it) then feeds each of ``passes(ids, valid, ask)``
-    through the model over that cache: each layer's attention call of a pass attends over the
-    stored prompt plus the pass's own causal rows, stores nothing, and hands
+    the model and the tokenizer (``kvgate.inference.compress.run_passes``, which
+    ``Engine.prefill`` / ``generate`` / ``compress`` call) then feeds each of
+    ``passes(ids, valid, ask)`` through the model over that cache: each layer's attention call
+    of a pass attends over the stored prompt plus the pass's own causal rows, stores nothing,
+    and hands
     ``pass_scores`` a ``PassAttention`` per block of rows; an entry's score is the maximum
     over blocks and passes. ``choose(scores, valid, budget)`` then gives every layer's keep
     mask, and the cache drops the rest: the passes leave no entry, position or length behind.

@@ -15,9 +15,9 @@ chunk's own rows): chunk 0 reads ``ask("Repeat the previous context exactly.")``
 tokens; chunk c > 0 reads ``ask("Repeat the part of the previous context exactly, starting
 with", last 8 tokens of chunk c - 1)`` then its tokens (the paper's and kvpress's prompts).
 ``ask`` puts the request through the chat template where the tokenizer has one, as a question
-is asked after a compressed context (``kvgate.inference.passes``), else plainly after a blank
-line. The whole real prompt is read again (kvpress skips the chat template's head; the max
-over queries makes that a detail). Every row of a pass counts, request rows included, as in
+is asked after a compressed context (``kvgate.inference.compress.run_passes``), else plainly
+after a blank line. The whole real prompt is read again (kvpress skips the chat template's
+head; the max over queries makes that a detail). Every row of a pass counts, request rows included, as in
 kvpress. kvpress's scoring code normalises each chunk's softmax over the sinks, the chunk's
 own context span and the repeat rows only; here it runs over the whole stored context, as the
 paper states the rule and as the pass's forward attends.

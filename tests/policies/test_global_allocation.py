@@ -93,7 +93,8 @@ def test_the_cache_keeps_the_global_bottom_k_complement(cls, options):
         for b in range(2):
             for h in range(2):
                 got = set(positions[b, h].tolist()) - {-1}
-                assert got == {p - int(pad[b]) for p in want[layer, b, h].nonzero().flatten().tolist()}
+                chosen = want[layer, b, h].nonzero().flatten().tolist()
+                assert got == {p - int(pad[b]) for p in chosen}
     counts = torch.stack(counts)  # [L, B, H_kv]
     assert torch.equal(counts.sum((0, 2)), kept * 2 * 2)
     assert counts.max() > counts.min()  # heads keep what they won
