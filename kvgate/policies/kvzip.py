@@ -17,10 +17,10 @@ with", last 8 tokens of chunk c - 1)`` then its tokens (the paper's and kvpress'
 ``ask`` puts the request through the chat template where the tokenizer has one, as a question
 is asked after a compressed context (``kvgate.inference.compress.run_passes``), else plainly
 after a blank line. The whole real prompt is read again (kvpress skips the chat template's
-head; the max over queries makes that a detail). Every row of a pass counts, request rows included, as in
-kvpress. kvpress's scoring code normalises each chunk's softmax over the sinks, the chunk's
-own context span and the repeat rows only; here it runs over the whole stored context, as the
-paper states the rule and as the pass's forward attends.
+head; the max over queries makes that a detail). Every row of a pass counts, request rows
+included, as in kvpress. kvpress's scoring code normalises each chunk's softmax over the
+sinks, the chunk's own context span and the repeat rows only; here it runs over the whole
+stored context, as the paper states the rule and as the pass's forward attends.
 
 ``plus`` (KVzip+, "KVzap", arXiv:2601.07891): each attention weight ``a_ji`` is multiplied by
 ``||W_O^h v_i|| / ||h_j||`` before the max: the entry's contribution to the residual stream
