@@ -64,6 +64,7 @@ from kvgate.policies.contract import Ask
 FIRST = "Repeat the previous context exactly."
 LATER = "Repeat the part of the previous context exactly, starting with"
 OVERLAP = 8  # tokens of the previous chunk that prompt the next one
+_ROWS = 512  # prompt rows per block of the one-shot stand-in
 
 
 @dataclass
@@ -150,8 +151,13 @@ class KVzip(ScoredPolicy, PassScoring, AllocationOption):
     def scores(self, prompt: LayerPrompt, budget: Budget | None = None) -> Tensor:
         """The stand-in: each entry's largest causal attention from the prompt's own rows
         (max over rows and the query group), ``[B, H_kv, n]`` fp32."""
-        p = causal_probs(prompt.query, prompt.key, prompt.valid, prompt.scaling)  # [B, H, n, n]
-        return gqa_reduce(p.amax(2), prompt.key.shape[1], "max")
+        n = prompt.query.shape[2]
+        best = None
+        for lo in range(0, n, _ROWS):  # blocks of rows bound the [B, H, rows, n] probabilities
+            p = causal_probs(prompt.query, prompt.key, prompt.valid, prompt.scaling,
+                             slice(lo, min(n, lo + _ROWS))).amax(2)
+            best = p if best is None else torch.maximum(best, p)
+        return gqa_reduce(best, prompt.key.shape[1], "max")
 
     def forced(self, prompt: LayerPrompt, kept: Tensor) -> Tensor:
         b, hk, n = prompt.key.shape[:3]

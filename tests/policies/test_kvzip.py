@@ -234,11 +234,16 @@ def test_bad_options_fail_in_one_line(options, message):
     assert message in str(err.value) and "\n" not in str(err.value)
 
 
-def test_the_one_shot_stand_in_keeps_sinks_and_top_self_attention():
-    """Without a repeat pass (masked scoring) ``keep`` reads the prompt as its own pass."""
+@pytest.mark.parametrize("rows", [512, 5])
+def test_the_one_shot_stand_in_keeps_sinks_and_top_self_attention(monkeypatch, rows):
+    """Without a repeat pass (masked scoring) ``keep`` reads the prompt as its own pass (in
+    blocks of ``rows`` prompt rows)."""
     from policy_testing import make_prompt
 
+    import kvgate.policies.kvzip as kvzip_module
     from kvgate.policies.base import causal_probs
+
+    monkeypatch.setattr(kvzip_module, "_ROWS", rows)
 
     prompt = make_prompt(lengths=(24, 17), heads=4, kv_heads=2)
     keep = KVzip(sinks=2).keep(prompt, Budget(tokens=8))
