@@ -53,6 +53,7 @@ from kvgate.eval.masked import (
 )
 from kvgate.eval.report import ResultStore, budget_label, make_key
 from kvgate.inference import Engine
+from kvgate.inference.compress import run_passes
 from kvgate.inference.decode import left_padded_positions
 from kvgate.models.limits import InputTooLongError, context_limit
 from kvgate.policies.base import Budget, Policy
@@ -119,10 +120,11 @@ class ContinuationScores:
 @torch.no_grad()
 def score_continuations(model: nn.Module, cache: Any, contexts: Sequence[Sequence[int]],
                         continuations: Sequence[Sequence[int]], pad: int = 0,
-                        ) -> ContinuationScores:
+                        tokenizer: Any = None) -> ContinuationScores:
     """Prefill the left-padded ``contexts`` into ``cache`` (a fresh ``CompressedCache``: its
     policy compresses them), then feed each right-padded continuation over what was kept, in
-    one forward. Every sequence non-empty."""
+    one forward. Every sequence non-empty. ``tokenizer``: for a ``PassScoring`` policy
+    (KVzip), whose extra passes follow the prefill (without it such a cache refuses)."""
     num_layers, _ = model_shape(model)
     device = model_device(model)
     ctx_ids, ctx_mask = left_pad(contexts, pad)
@@ -134,6 +136,7 @@ def score_continuations(model: nn.Module, cache: Any, contexts: Sequence[Sequenc
     first = model(input_ids=ctx_ids.to(device), attention_mask=ctx_mask.to(device),
                   position_ids=ctx_pos.to(device), past_key_values=cache, use_cache=True,
                   logits_to_keep=1).logits[:, -1:]
+    run_passes(model, tokenizer, cache, ctx_ids.to(device), ctx_mask.to(device))
     kept = sum(cache.kept_counts(layer).sum(-1) for layer in range(num_layers)).cpu()
     rest = model(input_ids=cont_ids.to(device),
                  attention_mask=torch.cat([ctx_mask, cont_mask], dim=1).to(device),
