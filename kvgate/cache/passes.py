@@ -26,6 +26,7 @@ import torch
 from torch import Tensor
 
 from kvgate.cache.errors import CacheError
+from kvgate.cache.prefill import _attend
 from kvgate.policies.base import AllocationOption, select_layers
 from kvgate.policies.contract import LayerPrompt, PassAttention, PassScoring, Policy
 
@@ -114,27 +115,32 @@ def pass_attention(cache: Any, layer: Any, module: Any, query: Tensor, key: Tens
     store = layer.store
     ck, cv = store.base_kv()  # [B, H_kv, T, d]
     stored = store.base_slot_valid()[:, 0]  # [B, T]
-    b, h, r, d = query.shape
+    b, h, r, _ = query.shape
     hk, t = ck.shape[1], ck.shape[2]
     g = h // hk
     ar = torch.arange(r, device=query.device)
     own = (ar[None, :] <= ar[:, None])[None] & valid[:, None, :]  # [B, r, r] causal + real
     hide = torch.cat([~stored[:, None, :].expand(b, r, t), ~own], dim=-1)  # [B, r, T + r]
-    keys = torch.cat([ck, key], dim=2).float()
-    values = torch.cat([cv, value], dim=2).float()
-    q5 = query.float().view(b, hk, g, r, d)
-    out = query.new_empty(b, hk, g, r, value.shape[-1])
+    bias = torch.zeros(hide.shape, device=query.device).masked_fill_(hide, float("-inf"))
+    # K/V per query head (the fused kernel takes as many as queries), fp32 like the scores
+    keys = torch.cat([ck, key], dim=2).float().repeat_interleave(g, 1)  # [B, H, T + r, d]
+    values = torch.cat([cv, value], dim=2).float().repeat_interleave(g, 1)
+    q = query.float()
+    out = query.new_empty(b, h, r, value.shape[-1])
     for lo in range(0, r, _PASS_ROWS):  # blocks of rows bound the probabilities' memory
         hi = min(r, lo + _PASS_ROWS)
-        logits = torch.einsum("bkgrd,bktd->bkgrt", q5[:, :, :, lo:hi], keys) * scaling
-        logits = logits.masked_fill(hide[:, None, None, lo:hi], float("-inf"))
-        probs = torch.softmax(logits, dim=-1)  # every row sees the stored prompt: no NaN
-        out[:, :, :, lo:hi] = (probs @ values[:, :, None]).to(out.dtype)
-        part = PassAttention(module.layer_idx, cache.num_layers,
-                             probs[..., :t].reshape(b, h, hi - lo, t), valid[:, lo:hi], cv,
+        # the output and each row's log-sum-exp from the fused kernel (every row sees the
+        # stored prompt: finite), then the probabilities on the stored entries alone
+        o, lse = _attend(q[:, :, lo:hi], keys, values, bias[:, None, lo:hi], scaling)
+        out[:, :, lo:hi] = o.to(out.dtype)
+        probs = (q[:, :, lo:hi] * scaling) @ keys[:, :, :t].transpose(-1, -2)  # [B, H, rows, T]
+        probs += bias[:, None, lo:hi, :t]
+        probs.sub_(lse[..., None]).exp_()
+        probs.masked_fill_(~valid[:, None, lo:hi, None], 0.0)  # padding rows: 0
+        part = PassAttention(module.layer_idx, cache.num_layers, probs, valid[:, lo:hi], cv,
                              stored, None if hidden is None else hidden[:, lo:hi], module)
         layer.scores = torch.maximum(layer.scores, cache.policy.pass_scores(part).float())
-    return out.view(b, h, r, -1).transpose(1, 2)
+    return out.transpose(1, 2)
 
 
 __all__ = ["choose_all", "defers_choice", "extra_pass", "pass_attention", "stash_layer"]

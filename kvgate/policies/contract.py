@@ -245,7 +245,7 @@ class PassAttention:
     # [B, H, r, T] fp32: each pass row's attention probability on each stored prompt entry;
     # the softmax runs over the stored prompt and the pass's own rows up to the row (causal)
     probs: Tensor
-    valid: Tensor  # [B, r] bool: real pass rows (padding rows' probabilities are garbage)
+    valid: Tensor  # [B, r] bool: real pass rows (padding rows' probabilities are 0)
     value: Tensor  # [B, H_kv, T, d] the stored prompt values
     stored: Tensor  # [B, T] bool: real prompt slots
     hidden: Tensor | None = None  # [B, r, D] the pass rows' normalised layer input

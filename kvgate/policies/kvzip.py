@@ -114,8 +114,7 @@ class KVzip(ScoredPolicy, PassScoring, AllocationOption):
                 raise PolicyError("kvzip plus=true needs the pass rows' hidden states")
             h_norm = attention.hidden.float().norm(dim=-1).clamp(min=1e-12)  # [B, r]
             p = p / h_norm[:, None, :, None]
-        p = p.masked_fill(~attention.valid[:, None, :, None], 0.0)
-        return gqa_reduce(p.amax(2), hk, "max")
+        return gqa_reduce(p.amax(2), hk, "max")  # padding rows hold 0
 
     @staticmethod
     def contribution(attention: PassAttention) -> Tensor:
