@@ -150,14 +150,14 @@ def score_continuations(model: nn.Module, cache: Any, contexts: Sequence[Sequenc
 
 
 def cache_scores(model: nn.Module, items: Sequence[ScoringItem], policy: Policy,
-                 budget: Budget, pad: int = 0) -> list[ItemScore]:
+                 budget: Budget, pad: int = 0, tokenizer: Any = None) -> list[ItemScore]:
     """Score items over a real compressed cache: prefill every (item, choice) row's context
     with ``policy`` at ``budget``, then feed the choice as a continuation."""
     num_layers, kv_heads = model_shape(model)
     owner = [i for i, it in enumerate(items) for _ in it.choices]
     cache = Engine(model, None, policy, budget).new_cache()
     rows = score_continuations(model, cache, [items[i].context for i in owner],
-                               [ch for it in items for ch in it.choices], pad)
+                               [ch for it in items for ch in it.choices], pad, tokenizer)
     scores: dict[int, ItemScore] = {}
     for row, i in enumerate(owner):
         it = items[i]
@@ -171,8 +171,10 @@ def cache_scores(model: nn.Module, items: Sequence[ScoringItem], policy: Policy,
 
 
 def score_batch(model: nn.Module, items: Sequence[ScoringItem], policy: Policy,
-                budgets: Sequence[Budget], mode: str, pad: int = 0) -> list[ItemScore]:
-    """Score a batch in ``mode``; ``budgets`` has one budget per item."""
+                budgets: Sequence[Budget], mode: str, pad: int = 0,
+                tokenizer: Any = None) -> list[ItemScore]:
+    """Score a batch in ``mode``; ``budgets`` has one budget per item (``tokenizer``: for a
+    ``PassScoring`` policy's extra passes in a cache)."""
     if check_mode(mode) == "masked":
         return masked_scores(model, items, policy, budgets, pad)[0]
     out: list[ItemScore | None] = [None] * len(items)
@@ -180,7 +182,8 @@ def score_batch(model: nn.Module, items: Sequence[ScoringItem], policy: Policy,
     for i, bud in enumerate(budgets):
         groups.setdefault(bud, []).append(i)
     for bud, idx in groups.items():  # a compressed cache holds one budget
-        for i, s in zip(idx, cache_scores(model, [items[i] for i in idx], policy, bud, pad)):
+        for i, s in zip(idx, cache_scores(model, [items[i] for i in idx], policy, bud, pad,
+                                                 tokenizer)):
             out[i] = s
     return out  # type: ignore[return-value]
 
@@ -283,14 +286,15 @@ def run_items(model: nn.Module, items: Sequence[ScoringItem], policy: Policy,
               budget_of: Callable[[str], Budget], mode: str, store: ResultStore, key: str,
               summarise: Callable[[Mapping[str, Any]], dict[str, Any]],
               extra: Mapping[str, Any] | None = None, batch_size: int = 8, pad: int = 0,
-              progress: bool = True, record_budget: bool = True) -> dict[str, Any]:
+              progress: bool = True, record_budget: bool = True,
+              tokenizer: Any = None) -> dict[str, Any]:
     """Continuation scoring of ``items`` under one key (resumable); ``budget_of(uid)`` gives
     each item's budget. Returns the stored record."""
     check_mode(mode)
 
     def score(batch: list[ScoringItem]) -> list[dict[str, Any]]:
         budgets = [budget_of(it.uid) for it in batch]
-        scores = score_batch(model, batch, policy, budgets, mode, pad)
+        scores = score_batch(model, batch, policy, budgets, mode, pad, tokenizer)
         return [score_record(it, s, b if record_budget else None)
                 for it, b, s in zip(batch, budgets, scores)]
 
@@ -367,7 +371,7 @@ def evaluate_mc(model: nn.Module, tokenizer: Any, tasks: Mapping[str, Sequence[M
                 fixed = bud or Budget(ratio=1.0)
                 run_items(model, task_items, policy, lambda _uid, b=fixed: b, mode, store, key,
                           mc_summary, batch_size=batch_size, pad=pad, progress=progress,
-                          record_budget=bud is not None)
+                          record_budget=bud is not None, tokenizer=tokenizer)
                 keys.append(key)
     return keys
 
@@ -406,7 +410,8 @@ def evaluate_matched(model: nn.Module, tokenizer: Any, tasks: Mapping[str, Seque
         fixed = ref_budget or Budget(ratio=1.0)
         record = run_items(model, task_items, reference, lambda _uid, b=fixed: b, mode, store,
                            ref_key, mc_summary, batch_size=batch_size, pad=pad,
-                           progress=progress, record_budget=ref_budget is not None)
+                           progress=progress, record_budget=ref_budget is not None,
+                           tokenizer=tokenizer)
         keys.append(ref_key)
         per_example = matched_budgets(record, rounding)
         label = (("matched~" if rounding == "nearest" else "matched-") + ref_name
@@ -417,6 +422,7 @@ def evaluate_matched(model: nn.Module, tokenizer: Any, tasks: Mapping[str, Seque
             key = make_key("mc", task, name, label, mode)
             with (others or nullcontext)():
                 run_items(model, task_items, policy, per_example.__getitem__, mode, store, key,
-                          mc_summary, batch_size=batch_size, pad=pad, progress=progress)
+                          mc_summary, batch_size=batch_size, pad=pad, progress=progress,
+                          tokenizer=tokenizer)
             keys.append(key)
     return keys

@@ -301,7 +301,8 @@ def evaluate_needle(model: nn.Module, tokenizer: Any, texts: Sequence[str],
                                f"{scoring}-{mode}" + ("" if query_aware else "-agnostic"))
                 if scoring == "rank":
                     run_items(model, ranked, policy, lambda _u, b=fixed: b, mode, store, key,
-                              needle_summary, extra, batch_size, pad, progress)
+                              needle_summary, extra, batch_size, pad, progress,
+                              tokenizer=tokenizer)
                 else:
                     def score(batch, policy=policy, fixed=fixed):
                         gen, kept, total = generate_greedy(
@@ -438,6 +439,7 @@ def evaluate_ppl(model: nn.Module, tokenizer: Any, texts: Sequence[str],
             task = name if context is None else f"{name}@{context}+{continuation}"
             key = make_key("ppl", task, pname, budget_label(bud), mode)
             run_items(model, items, policy, lambda _u, b=fixed: b, mode, store, key,
-                      ppl_summary, extra, batch_size, pad, progress, record_budget=bud is not None)
+                      ppl_summary, extra, batch_size, pad, progress, record_budget=bud is not None,
+                      tokenizer=tokenizer)
             keys.append(key)
     return keys

@@ -127,7 +127,6 @@ def run_passes(model: Any, tokenizer: Any, cache: CompressedCache, ids: Tensor, 
     if tokenizer is None:
         raise PolicyError(f"policy {cache.policy.name!r} asks the model to repeat the "
                           "context: it needs the tokenizer")
-    _tokenizer_ready(tokenizer)
     chat = has_chat_template(tokenizer) if chat is None else chat and has_chat_template(tokenizer)
     start = mask.sum(-1)  # [B]: each pass continues after the real prompt
     for pass_ids, valid in cache.policy.passes(ids, mask.bool(), asker(tokenizer, chat)):
