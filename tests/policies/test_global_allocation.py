@@ -162,6 +162,8 @@ def test_where_global_allocation_is_refused():
         get_policy("pyramidkv", allocation="global")
     with pytest.raises(PolicyError, match="has no option 'allocation'"):
         get_policy("knorm", allocation="global")
+    with pytest.raises(PolicyError, match="adakv.inner: reallocates within each layer"):
+        get_policy("adakv", inner_options={"allocation": "global"})
     with pytest.raises(PolicyError, match="snapkv.allocation: must be one of head, global"):
         get_policy("snapkv", allocation="layer")
     from policy_testing import make_prompt
