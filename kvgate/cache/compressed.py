@@ -34,6 +34,7 @@ from kvgate.attention.decode import KVPart, multipart_attention
 from kvgate.cache.capacity import check_decode_budget, decode_capacity
 from kvgate.cache.errors import CacheError
 from kvgate.cache.handler import HandlerCache
+from kvgate.cache.passes import defers_choice, pass_attention, stash_layer
 from kvgate.cache.prefill import (
     causal_attention_lse,
     causal_attention_sums,
@@ -65,6 +66,8 @@ class _Layer:
     capacity: Tensor | None = None  # [B, H_kv] decode budget (decode-evicting policies)
     stats: dict[str, Tensor] = field(default_factory=dict)  # [B, H_kv, T] per-slot policy state
     pending: bool = False  # update() seen, attend() not yet
+    scores: Tensor | None = None  # [B, H_kv, T] an all-layer choice's scores (cache.passes)
+    forced: Tensor | None = None  # [B, H_kv, T] bool, its forced entries
 
 
 def _text_config(config: Any) -> Any:
@@ -115,6 +118,8 @@ class CompressedCache(HandlerCache):
         self.policy = policy
         self.budget = Budget.parse(budget)
         self.decode_budget = check_decode_budget(decode_budget)
+        self.awaiting_passes = False  # a PassScoring policy's passes have not chosen yet
+        self._pass_valid: Tensor | None = None  # [B, r] real rows of the pass under way
         super().__init__(layers=[_Layer() for _ in range(self.num_layers)])
 
     # ----------------------------------------------------------------- transformers API
@@ -149,6 +154,7 @@ class CompressedCache(HandlerCache):
 
     def reset(self) -> None:
         self.layers = [_Layer() for _ in range(self.num_layers)]
+        self.awaiting_passes, self._pass_valid = False, None
 
     def _unsupported(self, what: str):
         raise CacheError(f"CompressedCache does not support {what} (use greedy or sampling "
@@ -233,6 +239,9 @@ class CompressedCache(HandlerCache):
         b, _, r, _ = query.shape
         valid = new_token_validity(attention_mask, b, r, query.device)
         window = kwargs.get("sliding_window") or None
+        if self._pass_valid is not None and layer.store is not None:
+            return pass_attention(self, layer, module, query, key, value, self._pass_valid,
+                                  scaling, hidden, window), None
         if layer.store is None:
             previous = (context.call(module.layer_idx - 1).hidden
                         if context is not None and module.layer_idx > 0 else None)
@@ -240,6 +249,9 @@ class CompressedCache(HandlerCache):
                                  scaling, hidden, module, position_embeddings, previous)
             out = self._prefill(layer, prompt, attention_mask, window, kwargs)
         else:
+            if self.awaiting_passes:
+                raise CacheError(f"policy {self.policy.name!r} chooses after its extra passes "
+                                 "(kvgate.inference.compress.run_passes): run them first")
             if layer.store.batch != b:
                 raise CacheError(f"batch of {b} rows, but this cache was filled with "
                                  f"{layer.store.batch}; use a new cache for a new batch")
@@ -300,6 +312,8 @@ class CompressedCache(HandlerCache):
             stats = self.policy.decode_init(prompt, keep)
             layer.stats = {k: layer.store.realign(v, kept) for k, v in stats.items()}
         layer.seen, layer.real_seen = prompt.key.shape[2], prompt.n_real
+        if defers_choice(self.policy):  # every entry stored; all layers choose at once
+            stash_layer(self, layer, prompt, kept)
 
     def _stream_prefill(self, layer: _Layer, prompt: LayerPrompt, mask: Tensor | None,
                         window: int | None, kwargs: dict) -> Tensor:
@@ -419,6 +433,8 @@ class CompressedCache(HandlerCache):
         return self.layers[layer_idx]
 
     def _keep(self, prompt: LayerPrompt) -> Tensor:
+        if defers_choice(self.policy):  # stored whole; chosen for all layers at once
+            return prompt.valid[:, None, :].expand(-1, self.kv_heads, -1)
         keep = self.policy.keep(prompt, self.budget)
         want = (prompt.key.shape[0], prompt.key.shape[1], prompt.key.shape[2])
         if tuple(keep.shape) != want:

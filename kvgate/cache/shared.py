@@ -33,6 +33,7 @@ from kvgate.policies.contract import (
     Budget,
     EncodeMasking,
     LayerPrompt,
+    PassScoring,
     Policy,
     PolicyError,
     StreamingPrefill,
@@ -46,8 +47,9 @@ def shares_prefill(policy: Policy) -> bool:
     a one-shot policy. Not a streamed prefill (refused by ``SharedPrefill`` at construction),
     nor a policy that may encode under its keep mask: a gate does so (eq. 5) when its trained
     config says ``prefill: gated``, which ``SharedPrefill`` learns only at the first layer and
-    then refuses. Callers that choose which policies to share decide with this."""
-    return not isinstance(policy, (StreamingPrefill, EncodeMasking))
+    then refuses. Nor a ``PassScoring`` policy, whose extra passes run over its own cache.
+    Callers that choose which policies to share decide with this."""
+    return not isinstance(policy, (StreamingPrefill, EncodeMasking, PassScoring))
 
 
 class SharedPrefill(CompressedCache):
@@ -69,6 +71,9 @@ class SharedPrefill(CompressedCache):
             if isinstance(policy, StreamingPrefill):
                 raise PolicyError(f"{name}: policy {policy.name!r} streams the prompt block by "
                                   "block, so it cannot share a full prefill")
+            if isinstance(policy, PassScoring):
+                raise PolicyError(f"{name}: policy {policy.name!r} chooses after extra passes "
+                                  "over its own cache, so it cannot share a prefill")
         config = model_or_config.config if isinstance(model_or_config, nn.Module) else model_or_config
         self.caches = {name: CompressedCache(config, policy, budget)
                        for name, (policy, budget) in variants.items()}

@@ -103,6 +103,7 @@ def prefill_then_decode(model: nn.Module, tokenizer: Any, ids: Sequence[int],
 
     t0 = time.perf_counter()
     gen, kept, total = generate_greedy(model, [list(ids)], policy, budget, max_new_tokens,
-                                       pad_id(tokenizer), getattr(tokenizer, "eos_token_id", None))
+                                       pad_id(tokenizer), getattr(tokenizer, "eos_token_id", None),
+                                       tokenizer=tokenizer)
     seconds = time.perf_counter() - t0
     return Asked(tokenizer.decode(gen[0], skip_special_tokens=True), kept[0], total[0], seconds)

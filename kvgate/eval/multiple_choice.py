@@ -53,6 +53,7 @@ from kvgate.eval.masked import (
 )
 from kvgate.eval.report import ResultStore, budget_label, make_key
 from kvgate.inference import Engine
+from kvgate.inference.compress import run_passes
 from kvgate.inference.decode import left_padded_positions
 from kvgate.models.limits import InputTooLongError, context_limit
 from kvgate.policies.base import Budget, Policy
@@ -119,10 +120,11 @@ class ContinuationScores:
 @torch.no_grad()
 def score_continuations(model: nn.Module, cache: Any, contexts: Sequence[Sequence[int]],
                         continuations: Sequence[Sequence[int]], pad: int = 0,
-                        ) -> ContinuationScores:
+                        tokenizer: Any = None) -> ContinuationScores:
     """Prefill the left-padded ``contexts`` into ``cache`` (a fresh ``CompressedCache``: its
     policy compresses them), then feed each right-padded continuation over what was kept, in
-    one forward. Every sequence non-empty."""
+    one forward. Every sequence non-empty. ``tokenizer``: for a ``PassScoring`` policy
+    (KVzip), whose extra passes follow the prefill (without it such a cache refuses)."""
     num_layers, _ = model_shape(model)
     device = model_device(model)
     ctx_ids, ctx_mask = left_pad(contexts, pad)
@@ -134,6 +136,7 @@ def score_continuations(model: nn.Module, cache: Any, contexts: Sequence[Sequenc
     first = model(input_ids=ctx_ids.to(device), attention_mask=ctx_mask.to(device),
                   position_ids=ctx_pos.to(device), past_key_values=cache, use_cache=True,
                   logits_to_keep=1).logits[:, -1:]
+    run_passes(model, tokenizer, cache, ctx_ids.to(device), ctx_mask.to(device))
     kept = sum(cache.kept_counts(layer).sum(-1) for layer in range(num_layers)).cpu()
     rest = model(input_ids=cont_ids.to(device),
                  attention_mask=torch.cat([ctx_mask, cont_mask], dim=1).to(device),
@@ -147,14 +150,14 @@ def score_continuations(model: nn.Module, cache: Any, contexts: Sequence[Sequenc
 
 
 def cache_scores(model: nn.Module, items: Sequence[ScoringItem], policy: Policy,
-                 budget: Budget, pad: int = 0) -> list[ItemScore]:
+                 budget: Budget, pad: int = 0, tokenizer: Any = None) -> list[ItemScore]:
     """Score items over a real compressed cache: prefill every (item, choice) row's context
     with ``policy`` at ``budget``, then feed the choice as a continuation."""
     num_layers, kv_heads = model_shape(model)
     owner = [i for i, it in enumerate(items) for _ in it.choices]
     cache = Engine(model, None, policy, budget).new_cache()
     rows = score_continuations(model, cache, [items[i].context for i in owner],
-                               [ch for it in items for ch in it.choices], pad)
+                               [ch for it in items for ch in it.choices], pad, tokenizer)
     scores: dict[int, ItemScore] = {}
     for row, i in enumerate(owner):
         it = items[i]
@@ -168,8 +171,10 @@ def cache_scores(model: nn.Module, items: Sequence[ScoringItem], policy: Policy,
 
 
 def score_batch(model: nn.Module, items: Sequence[ScoringItem], policy: Policy,
-                budgets: Sequence[Budget], mode: str, pad: int = 0) -> list[ItemScore]:
-    """Score a batch in ``mode``; ``budgets`` has one budget per item."""
+                budgets: Sequence[Budget], mode: str, pad: int = 0,
+                tokenizer: Any = None) -> list[ItemScore]:
+    """Score a batch in ``mode``; ``budgets`` has one budget per item (``tokenizer``: for a
+    ``PassScoring`` policy's extra passes in a cache)."""
     if check_mode(mode) == "masked":
         return masked_scores(model, items, policy, budgets, pad)[0]
     out: list[ItemScore | None] = [None] * len(items)
@@ -177,7 +182,8 @@ def score_batch(model: nn.Module, items: Sequence[ScoringItem], policy: Policy,
     for i, bud in enumerate(budgets):
         groups.setdefault(bud, []).append(i)
     for bud, idx in groups.items():  # a compressed cache holds one budget
-        for i, s in zip(idx, cache_scores(model, [items[i] for i in idx], policy, bud, pad)):
+        for i, s in zip(idx, cache_scores(model, [items[i] for i in idx], policy, bud, pad,
+                                                 tokenizer)):
             out[i] = s
     return out  # type: ignore[return-value]
 
@@ -280,14 +286,15 @@ def run_items(model: nn.Module, items: Sequence[ScoringItem], policy: Policy,
               budget_of: Callable[[str], Budget], mode: str, store: ResultStore, key: str,
               summarise: Callable[[Mapping[str, Any]], dict[str, Any]],
               extra: Mapping[str, Any] | None = None, batch_size: int = 8, pad: int = 0,
-              progress: bool = True, record_budget: bool = True) -> dict[str, Any]:
+              progress: bool = True, record_budget: bool = True,
+              tokenizer: Any = None) -> dict[str, Any]:
     """Continuation scoring of ``items`` under one key (resumable); ``budget_of(uid)`` gives
     each item's budget. Returns the stored record."""
     check_mode(mode)
 
     def score(batch: list[ScoringItem]) -> list[dict[str, Any]]:
         budgets = [budget_of(it.uid) for it in batch]
-        scores = score_batch(model, batch, policy, budgets, mode, pad)
+        scores = score_batch(model, batch, policy, budgets, mode, pad, tokenizer)
         return [score_record(it, s, b if record_budget else None)
                 for it, b, s in zip(batch, budgets, scores)]
 
@@ -364,7 +371,7 @@ def evaluate_mc(model: nn.Module, tokenizer: Any, tasks: Mapping[str, Sequence[M
                 fixed = bud or Budget(ratio=1.0)
                 run_items(model, task_items, policy, lambda _uid, b=fixed: b, mode, store, key,
                           mc_summary, batch_size=batch_size, pad=pad, progress=progress,
-                          record_budget=bud is not None)
+                          record_budget=bud is not None, tokenizer=tokenizer)
                 keys.append(key)
     return keys
 
@@ -403,7 +410,8 @@ def evaluate_matched(model: nn.Module, tokenizer: Any, tasks: Mapping[str, Seque
         fixed = ref_budget or Budget(ratio=1.0)
         record = run_items(model, task_items, reference, lambda _uid, b=fixed: b, mode, store,
                            ref_key, mc_summary, batch_size=batch_size, pad=pad,
-                           progress=progress, record_budget=ref_budget is not None)
+                           progress=progress, record_budget=ref_budget is not None,
+                           tokenizer=tokenizer)
         keys.append(ref_key)
         per_example = matched_budgets(record, rounding)
         label = (("matched~" if rounding == "nearest" else "matched-") + ref_name
@@ -414,6 +422,7 @@ def evaluate_matched(model: nn.Module, tokenizer: Any, tasks: Mapping[str, Seque
             key = make_key("mc", task, name, label, mode)
             with (others or nullcontext)():
                 run_items(model, task_items, policy, per_example.__getitem__, mode, store, key,
-                          mc_summary, batch_size=batch_size, pad=pad, progress=progress)
+                          mc_summary, batch_size=batch_size, pad=pad, progress=progress,
+                          tokenizer=tokenizer)
             keys.append(key)
     return keys

@@ -50,6 +50,7 @@ from kvgate.eval.multiple_choice import (
 )
 from kvgate.eval.report import ResultStore, budget_label, make_key
 from kvgate.inference import Engine
+from kvgate.inference.compress import run_passes
 from kvgate.inference.decode import left_padded_positions
 from kvgate.models.limits import InputTooLongError, context_limit
 from kvgate.policies.base import Budget, Policy
@@ -174,10 +175,11 @@ def rank_item(example: NeedleExample, tokenizer: Any, distractors: int = 9,
 def generate_greedy(model: nn.Module, prompts: Sequence[Sequence[int]], policy: Policy,
                     budget: Budget, max_new_tokens: int = 8, pad: int = 0,
                     eos: int | None = None, suffix: Sequence[int] = (),
-                    ) -> tuple[list[list[int]], list[int], list[int]]:
+                    tokenizer: Any = None) -> tuple[list[list[int]], list[int], list[int]]:
     """Greedy continuation of left-padded ``prompts`` over a ``CompressedCache``; ``suffix``
     (a question) is fed after the prompts are compressed, adding to the cache, and decoding
-    continues from it.
+    continues from it. ``tokenizer``: for a ``PassScoring`` policy (KVzip), whose extra
+    passes run after the prefill (``kvgate.inference.compress.run_passes``).
 
     Returns (generated ids per prompt, kept context entries per prompt, L x H_kv x n_ctx per
     prompt). Generation stops early when every row produced ``eos``.
@@ -191,6 +193,7 @@ def generate_greedy(model: nn.Module, prompts: Sequence[Sequence[int]], policy: 
     logits = model(input_ids=ids.to(device), attention_mask=mask.to(device),
                    position_ids=pos.to(device), past_key_values=cache, use_cache=True,
                    logits_to_keep=1).logits[:, -1]
+    run_passes(model, tokenizer, cache, ids.to(device), mask.to(device))
     kept = sum(cache.kept_counts(layer).sum(-1) for layer in range(num_layers)).cpu()
     mask = mask.to(device)
     start = n_real.to(device)
@@ -298,12 +301,13 @@ def evaluate_needle(model: nn.Module, tokenizer: Any, texts: Sequence[str],
                                f"{scoring}-{mode}" + ("" if query_aware else "-agnostic"))
                 if scoring == "rank":
                     run_items(model, ranked, policy, lambda _u, b=fixed: b, mode, store, key,
-                              needle_summary, extra, batch_size, pad, progress)
+                              needle_summary, extra, batch_size, pad, progress,
+                              tokenizer=tokenizer)
                 else:
                     def score(batch, policy=policy, fixed=fixed):
                         gen, kept, total = generate_greedy(
                             model, [ex.ids[:len(ex.ids) - len(question)] for ex in batch],
-                            policy, fixed, max_new_tokens, pad, eos, question)
+                            policy, fixed, max_new_tokens, pad, eos, question, tokenizer)
                         recs = []
                         for ex, g, k, t in zip(batch, gen, kept, total):
                             text = tokenizer.decode(g)
@@ -435,6 +439,7 @@ def evaluate_ppl(model: nn.Module, tokenizer: Any, texts: Sequence[str],
             task = name if context is None else f"{name}@{context}+{continuation}"
             key = make_key("ppl", task, pname, budget_label(bud), mode)
             run_items(model, items, policy, lambda _u, b=fixed: b, mode, store, key,
-                      ppl_summary, extra, batch_size, pad, progress, record_budget=bud is not None)
+                      ppl_summary, extra, batch_size, pad, progress, record_budget=bud is not None,
+                      tokenizer=tokenizer)
             keys.append(key)
     return keys

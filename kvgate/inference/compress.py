@@ -11,13 +11,17 @@ precedes the marker plus the context plus ``SEPARATOR`` is compressed, and the q
 turn's closing tokens, the generation prompt and the answer prefix come after. Without a
 template the context is compressed as is and ``SEPARATOR + question`` (+ a new line and the
 answer prefix) follows.
+
+A ``PassScoring`` policy (KVzip) chooses after extra passes of the model over the prefilled
+cache: ``run_passes`` feeds them (``Engine.prefill`` / ``generate`` and ``compress`` call it,
+inside the time they report), asking its requests the way a question is asked here.
 """
 
 from __future__ import annotations
 
 import json
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,12 +31,14 @@ from torch import Tensor
 from kvgate.attention.masks import left_pad
 from kvgate.cache import CompressedCache
 from kvgate.cache.fork import fork_cache, grow_capacity
+from kvgate.cache.passes import choose_all, extra_pass
 from kvgate.cache.shared import SharedPrefill
 from kvgate.files import read_user_text
 from kvgate.inference.decode import decode, left_padded_positions, until_eos
 from kvgate.models.limits import InputTooLongError, context_limit, fit_to_context
 from kvgate.models.load import sync_device
 from kvgate.policies.base import Budget, Policy, PolicyError
+from kvgate.policies.contract import Ask, PassScoring
 
 SEPARATOR = "\n\n"  # between the context and the question, in both forms
 _MARK = "\u2063KVGATE-QUESTION-SPLIT\u2063"
@@ -93,6 +99,43 @@ def split_prompt(tokenizer: Any, context: str, question: str, answer_prefix: str
         return head + context + SEPARATOR, question + tail + (answer_prefix or "")
     prefix = f"\n{answer_prefix}" if answer_prefix else ""
     return context, SEPARATOR + question + prefix
+
+
+def asker(tokenizer: Any, chat: bool) -> Ask:
+    """``ask(text, extra)``: the ids of a request asked after a prompt, like a question here:
+    with the template, ``text`` + ``extra`` + the user turn's end and generation prompt (the
+    prompt left the turn open); plain, ``SEPARATOR + text`` + ``extra`` + a new line."""
+    tail = chat_parts(tokenizer)[1] if chat else "\n"
+
+    def ids(text: str) -> list[int]:
+        return list(tokenizer(text, add_special_tokens=False)["input_ids"]) if text else []
+
+    def ask(text: str, extra: Sequence[int]) -> list[int]:
+        return ids(text if chat else SEPARATOR + text) + list(extra) + ids(tail)
+
+    return ask
+
+
+@torch.no_grad()
+def run_passes(model: Any, tokenizer: Any, cache: CompressedCache, ids: Tensor, mask: Tensor,
+               chat: bool | None = None) -> None:
+    """A ``PassScoring`` policy's extra passes over a prefilled ``cache`` (prompt ``ids`` /
+    ``mask`` [B, n], left padded), then its choice for every layer; nothing for any other
+    policy. ``chat``: ask through the chat template (default: where the tokenizer has one)."""
+    if not (isinstance(cache.policy, PassScoring) and cache.awaiting_passes):
+        return
+    if tokenizer is None:
+        raise PolicyError(f"policy {cache.policy.name!r} asks the model to repeat the "
+                          "context: it needs the tokenizer")
+    chat = has_chat_template(tokenizer) if chat is None else chat and has_chat_template(tokenizer)
+    start = mask.sum(-1)  # [B]: each pass continues after the real prompt
+    for pass_ids, valid in cache.policy.passes(ids, mask.bool(), asker(tokenizer, chat)):
+        positions = (start[:, None] + valid.long().cumsum(-1) - 1).clamp(min=0)
+        with extra_pass(cache, valid):  # a loop over passes (KVzip: chunks)
+            model(input_ids=pass_ids, attention_mask=torch.cat([mask, valid.long()], dim=1),
+                  position_ids=positions, past_key_values=cache, use_cache=True,
+                  logits_to_keep=1)
+    choose_all(cache)
 
 
 def _tokenizer_ready(tokenizer: Any) -> None:
@@ -165,6 +208,7 @@ def _prefill_contexts(engine: Any, contexts: str | list[str], chat: bool,
     t0 = time.perf_counter()
     engine.model(input_ids=ids, attention_mask=mask, position_ids=left_padded_positions(mask),
                  past_key_values=cache, use_cache=True, logits_to_keep=1)
+    run_passes(engine.model, tok, cache, ids, mask, chat)
     sync_device(device)
     ms = 1000.0 * (time.perf_counter() - t0)
     return CompressedContext(cache, ids, mask, chat, tail, contexts, cache.kept_fraction(),

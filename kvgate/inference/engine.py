@@ -16,7 +16,7 @@ from torch import Tensor, nn
 
 from kvgate.attention.masks import left_pad
 from kvgate.cache import CompressedCache
-from kvgate.inference.compress import CompressedContext
+from kvgate.inference.compress import CompressedContext, run_passes
 from kvgate.inference.compress import answer as answer_questions
 from kvgate.inference.compress import compress as compress_contexts
 from kvgate.inference.decode import decode, left_padded_positions, until_eos
@@ -146,6 +146,7 @@ class Engine:
         out = self.model(input_ids=input_ids, attention_mask=attention_mask,
                          position_ids=left_padded_positions(attention_mask), past_key_values=cache,
                          use_cache=True)
+        run_passes(self.model, self.tokenizer, cache, input_ids, attention_mask)
         return out.logits, cache
 
     def encode(self, prompts: list[str] | str, reserve: int = 0) -> tuple[Tensor, Tensor]:
@@ -185,6 +186,7 @@ class Engine:
         positions = left_padded_positions(mask)
         out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions,
                          past_key_values=cache, use_cache=True, logits_to_keep=1)
+        run_passes(self.model, self.tokenizer, cache, ids, mask)  # a PassScoring policy's
         sync_device(device)
         prefill_s = time.perf_counter() - t0
         kept = cache.kept_fraction()

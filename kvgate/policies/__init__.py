@@ -1,5 +1,5 @@
 """Eviction policies: one file each, one contract (``contract.Policy.keep`` -> [B, H_kv, n] mask,
-extended by ``DecodeEvicting``, ``StreamingPrefill`` and ``EncodeMasking``).
+extended by ``DecodeEvicting``, ``StreamingPrefill``, ``EncodeMasking`` and ``PassScoring``).
 
 ``get_policy("snapkv", window=32)`` builds one by name; ``list_policies()`` lists the names.
 """
@@ -13,6 +13,7 @@ from kvgate.policies.contract import (
     DecodeEvicting,
     EncodeMasking,
     LayerPrompt,
+    PassScoring,
     Policy,
     PolicyError,
     StreamingPrefill,
@@ -21,6 +22,7 @@ from kvgate.policies.full import Full
 from kvgate.policies.gate_hybrid import GateHybrid
 from kvgate.policies.h2o import H2O
 from kvgate.policies.knorm import KNorm
+from kvgate.policies.kvzip import KVzip
 from kvgate.policies.nacl import NaCl
 from kvgate.policies.pyramidkv import PyramidKV
 from kvgate.policies.random_keep import RandomKeep
@@ -44,8 +46,10 @@ __all__ = [
     "Full",
     "GateHybrid",
     "KNorm",
+    "KVzip",
     "LayerPrompt",
     "NaCl",
+    "PassScoring",
     "Policy",
     "PolicyError",
     "PyramidKV",

@@ -109,6 +109,9 @@ class AdaKV(ScoredPolicy):
         else:
             raise option_error(self.name, "inner", f"must be one of {', '.join(INNER)} or an "
                                "instance of one", self.inner)
+        if self.inner.allocation != "head":  # every INNER class takes the option
+            raise option_error(self.name, "inner", "reallocates within each layer: its inner "
+                               "policy keeps allocation=head", self.inner)
         if isinstance(self.alpha, bool) or not isinstance(self.alpha, (int, float)) \
                 or not 0.0 <= self.alpha <= 1.0:
             raise option_error(self.name, "alpha", "must lie in [0, 1]", self.alpha)

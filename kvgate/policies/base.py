@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from abc import abstractmethod
-from dataclasses import fields, is_dataclass
+from dataclasses import dataclass, field, fields, is_dataclass
 from typing import Any
 
 import torch
@@ -24,6 +24,8 @@ from kvgate.policies.contract import (
     DecodeEvicting,
     EncodeMasking,
     LayerPrompt,
+    PassAttention,
+    PassScoring,
     Policy,
     PolicyError,
     StreamingPrefill,
@@ -32,14 +34,16 @@ from kvgate.policies.contract import (
 from kvgate.policies.sums import attention_sums, attention_with_sums
 
 __all__ = [
-    "ROUNDINGS", "Budget", "DecodeEvicting", "EncodeMasking", "LayerPrompt", "Policy",
-    "PolicyError", "ScoredPolicy", "StreamingPrefill", "attention_sums", "attention_with_sums",
-    "by_position",
-    "causal_probs", "check_choice", "check_decode", "check_int", "check_prompt", "check_share",
-    "decode_probs", "first_real", "gqa_reduce", "keep_all", "last_real", "layer_seed",
-    "make_policy", "option_error", "policy_options", "pool1d", "prefill_band", "real_index", "resolve_share", "seeded_uniform",
-    "select_topk", "stat",
+    "ALLOCATIONS", "ROUNDINGS", "AllocationOption", "Budget", "DecodeEvicting", "EncodeMasking",
+    "LayerPrompt", "PassAttention", "PassScoring", "Policy", "PolicyError", "ScoredPolicy",
+    "StreamingPrefill", "attention_sums", "attention_with_sums", "by_position", "causal_probs",
+    "check_choice", "check_decode", "check_int", "check_prompt", "check_share", "decode_probs",
+    "first_real", "gqa_reduce", "keep_all", "last_real", "layer_seed", "make_policy",
+    "option_error", "policy_options", "pool1d", "prefill_band", "real_index", "resolve_share",
+    "seeded_uniform", "select_global", "select_layers", "select_topk", "stat",
 ]
+
+ALLOCATIONS = ("head", "global")  # how a scored policy's budget is spread (AllocationOption)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -70,6 +74,35 @@ def select_topk(scores: Tensor, k: Tensor, forced: Tensor | None, valid: Tensor)
     ranks = torch.empty_like(order)
     ranks.scatter_(-1, order, torch.arange(n, device=scores.device).expand(b, hk, n))
     return (ranks < k[..., None]) & valid3
+
+
+def select_global(scores: Tensor, kept: Tensor, forced: Tensor | None, valid: Tensor) -> Tensor:
+    """Keep masks of every layer from one ranking over all layers and KV heads at once.
+
+    scores [L, B, Hk, T] float (comparable across layers and heads); kept [B] long, the
+    per-head budget: each sample keeps ``kept * L * Hk`` entries in all (forced included), the
+    highest scores wherever they are, i.e. the bottom-k complement; forced [L, B, Hk, T] bool
+    or None; valid [B, T] bool (slot t real in every layer and head). Ties break toward the
+    lower layer, then head, then slot. Returns [L, B, Hk, T] bool.
+    """
+    layers, b, hk, t = scores.shape
+    flat = scores.permute(1, 0, 2, 3).reshape(b, 1, -1)
+    valid3 = valid[:, None, None, :].expand(b, layers, hk, t).reshape(b, 1, -1)
+    fixed = None if forced is None else forced.permute(1, 0, 2, 3).reshape(b, 1, -1)
+    keep = select_topk(flat, kept * layers * hk, fixed, valid3)
+    return keep.view(b, layers, hk, t).permute(1, 0, 2, 3)
+
+
+def select_layers(scores: Tensor, kept: Tensor, forced: Tensor | None, valid: Tensor,
+                  allocation: str) -> Tensor:
+    """``select_topk`` of every layer at once (``allocation="head"``: ``kept`` [B] entries per
+    head) or ``select_global`` (``"global"``). Shapes as ``select_global``'s."""
+    if allocation == "global":
+        return select_global(scores, kept, forced, valid)
+    layers, b, hk, t = scores.shape
+    fold = (lambda x: x.permute(1, 0, 2, 3).reshape(b, layers * hk, t))  # layers as heads
+    keep = select_topk(fold(scores), kept, None if forced is None else fold(forced), valid)
+    return keep.view(b, layers, hk, t).permute(1, 0, 2, 3)
 
 
 def gqa_reduce(x: Tensor, num_kv: int, how: str = "mean") -> Tensor:
@@ -114,8 +147,12 @@ def option_error(policy: str, option: str, why: str, value: Any) -> PolicyError:
 
 
 def policy_options(cls: type[Policy]) -> list[str]:
-    """Option names a policy class accepts (its dataclass init fields)."""
-    return [f.name for f in fields(cls) if f.init] if is_dataclass(cls) else []
+    """Option names a policy class accepts (its dataclass init fields; keyword-only ones such
+    as ``allocation`` last)."""
+    if not is_dataclass(cls):
+        return []
+    init = [f for f in fields(cls) if f.init]
+    return [f.name for f in init if not f.kw_only] + [f.name for f in init if f.kw_only]
 
 
 def make_policy(cls: type[Policy], **options: Any) -> Policy:
@@ -288,6 +325,40 @@ def stat(stats: dict[str, Tensor], name: str, like: Tensor) -> Tensor:
 # score-based policies
 
 
+@dataclass
+class AllocationOption:
+    """The ``allocation`` option of a scored policy: where its budget goes.
+
+    ``"head"`` (default): every KV head of every layer keeps the budget's count (``Budget``).
+    ``"global"``: one ranking over all layers and KV heads at once (kvpress's default for
+    KVzip): each sample keeps ``budget x layers x KV heads`` entries in all (the budget's
+    per-head count times the heads, forced entries included), the highest
+    ``global_scores`` wherever they are, and each head holds what it won (the ragged store
+    holds heads of any size). That needs every layer's scores first: the cache stores the whole
+    prompt and chooses for all layers after the last layer's prefill (``kvgate.cache.passes``);
+    the prefill itself attends fully, as for any one-shot policy, so nothing else changes.
+    Layer budgets (PyramidKV) and per-layer reallocation (Ada-KV) are ignored by a global
+    ranking, so those policies refuse it.
+    """
+
+    allocation: str = field(default="head", kw_only=True, metadata={"omit_default": True})
+
+    allocations = ALLOCATIONS  # the values this policy accepts
+
+    def check_allocation(self) -> None:
+        check_choice(self.name, "allocation", self.allocation, self.allocations)
+
+    def global_scores(self, scores: Tensor, candidates: Tensor) -> Tensor:
+        """Scores made comparable across layers and heads for a global ranking: each (layer,
+        KV head)'s scores divided by their sum over its ``candidates`` (real, not forced
+        entries), so every head spreads one unit of attention mass and a head that attends to
+        a few entries ranks them above a head whose attention is flat. Raw attention sums do
+        not compare across layers (their scale follows each layer's attention pattern).
+        scores [B, Hk, n], candidates [B, Hk, n] bool -> [B, Hk, n] float."""
+        s = scores.float().masked_fill(~candidates, 0.0)
+        return s / s.sum(-1, keepdim=True).clamp(min=1e-30)
+
+
 class ScoredPolicy(Policy):
     """A policy that scores every prompt entry and keeps forced entries plus the top scores.
 
@@ -313,6 +384,9 @@ class ScoredPolicy(Policy):
 
     def keep(self, prompt: LayerPrompt, budget: Budget) -> Tensor:
         check_prompt(prompt)
+        if isinstance(self, AllocationOption) and self.allocation != "head":
+            raise PolicyError(f"{self.name}.allocation={self.allocation!r} ranks all layers at "
+                              "once: it runs through CompressedCache, not one layer's keep")
         n_real = prompt.n_real
         kept = self.layer_budget(prompt, budget.per_sample(n_real))
         if bool((kept >= n_real).all()):

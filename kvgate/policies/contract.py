@@ -11,18 +11,23 @@ checks the class (``isinstance``), never the presence of a method:
 - ``StreamingPrefill`` (a ``DecodeEvicting``): evicts *while* the prompt is encoded, in blocks
   of ``block`` rows, each block one ``decode_select(..., prefill=True)`` round (RoCo);
 - ``EncodeMasking``: its keep decision is applied *inside* the prefill (Attention-Gate eq. 5),
-  so later prompt rows attend only to kept entries (plus an ``encode_recent`` band).
+  so later prompt rows attend only to kept entries (plus an ``encode_recent`` band);
+- ``PassScoring``: chooses for every layer at once after the whole prompt is encoded, from
+  extra forward passes of the model over the full prompt cache (KVzip's repeat pass).
 
 Budget meaning, written down once: a budget is the number of prompt entries each KV head
 keeps, given either as a ratio of the *real* (non-padding) prompt length or as an absolute
 token count. Sinks, recent windows and observation windows are *inside* the budget.
-A budget at or above the prompt length keeps everything (no-op).
+A budget at or above the prompt length keeps everything (no-op). A scored policy with
+``allocation="global"`` (``policies.base.AllocationOption``) spends the same total, budget x
+layers x KV heads per sample, on one ranking over all layers and heads instead.
 """
 
 from __future__ import annotations
 
 import numbers
 from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -223,6 +228,67 @@ class EncodeMasking(Policy):
     def encode_band(self, prompt: LayerPrompt) -> int | None:
         """The recent band of this prompt's eq. 5 prefill, or None for a full prefill."""
         return int(self.encode_recent) if self.encode_mask else None
+
+
+# ``ask(text, extra)``: the token ids that ask ``text`` after a prompt, with the ids ``extra``
+# appended to the request before it closes (chat template: the user turn's end and the
+# generation prompt follow; plain: a new line). Built from the tokenizer by the caller.
+Ask = Callable[[str, Sequence[int]], list[int]]
+
+
+@dataclass
+class PassAttention:
+    """One attention call of an extra pass (``PassScoring``), for a block of the pass's rows.
+
+    Shapes: B batch, H query heads, H_kv KV heads, r pass rows of this block (left padded), T
+    stored prompt slots per head (slot t of sample b holds its t-th real prompt token), d head
+    dim, D hidden size."""
+
+    layer_idx: int
+    num_layers: int
+    # [B, H, r, T] fp32: each pass row's attention probability on each stored prompt entry;
+    # the softmax runs over the stored prompt and the pass's own rows up to the row (causal)
+    probs: Tensor
+    valid: Tensor  # [B, r] bool: real pass rows (padding rows' probabilities are 0)
+    value: Tensor  # [B, H_kv, T, d] the stored prompt values
+    stored: Tensor  # [B, T] bool: real prompt slots
+    hidden: Tensor | None = None  # [B, r, D] the pass rows' normalised layer input
+    module: Any = None  # the attention module (o_proj for KVzip+)
+
+
+class PassScoring(Policy):
+    """A policy that chooses for every layer at once, after the whole prompt is encoded, from
+    extra forward passes of the model over the full prompt cache (KVzip's repeat pass).
+
+    The cache encodes the prompt with full attention and stores every real entry. Whoever owns
+    the model and the tokenizer (``kvgate.inference.compress.run_passes``, which
+    ``Engine.prefill`` / ``generate`` / ``compress`` call) then feeds each of
+    ``passes(ids, valid, ask)`` through the model over that cache: each layer's attention call
+    of a pass attends over the stored prompt plus the pass's own causal rows, stores nothing,
+    and hands
+    ``pass_scores`` a ``PassAttention`` per block of rows; an entry's score is the maximum
+    over blocks and passes. ``choose(scores, valid, budget)`` then gives every layer's keep
+    mask, and the cache drops the rest: the passes leave no entry, position or length behind.
+    Until then the cache refuses new tokens. ``keep`` is its one-shot stand-in where no pass
+    is run (masked scoring)."""
+
+    needs_attention = True
+
+    @abstractmethod
+    def passes(self, ids: Tensor, valid: Tensor, ask: Ask) -> list[tuple[Tensor, Tensor]]:
+        """The extra passes over a prompt ``ids`` [B, n] long (``valid`` [B, n] bool, left
+        padded): a list of ``(ids [B, m] long, valid [B, m] bool)``, left padded (a sample
+        with nothing to read in a pass has an all-padding row)."""
+
+    @abstractmethod
+    def pass_scores(self, attention: PassAttention) -> Tensor:
+        """``[B, H_kv, T]`` float scores of the stored prompt entries from one block of rows
+        (higher = keep); the cache keeps their running maximum."""
+
+    @abstractmethod
+    def choose(self, scores: Tensor, valid: Tensor, budget: Budget) -> Tensor:
+        """Every layer's keep mask at once: scores ``[L, B, H_kv, T]``, valid ``[B, T]`` bool
+        (slot t = the sample's t-th real prompt token) -> ``[L, B, H_kv, T]`` bool."""
 
 
 def prefill_band(policy: Policy, prompt: LayerPrompt) -> int | None:

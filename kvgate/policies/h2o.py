@@ -12,7 +12,8 @@ for batch > 1) and per query head, then aggregated over the GQA group (``gqa``, 
 Budget split ``B = heavy + recent``. ``recent`` is a float share of the budget or an int token
 count. The default 0.5 is the equal split of the H2O scripts (heavy_ratio = recent_ratio);
 with an odd budget the extra entry goes to the heavy set. LongBench-style baselines
-(KVCache-Factory, Ada-KV, AhaKV) use ``recent=32``.
+(KVCache-Factory, Ada-KV, AhaKV) use ``recent=32``. ``allocation`` (``AllocationOption``):
+``"head"`` or ``"global"`` (column sums divided by their per-(layer, head) sum).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from dataclasses import dataclass
 from torch import Tensor
 
 from kvgate.policies.base import (
+    AllocationOption,
     Budget,
     DecodeEvicting,
     LayerPrompt,
@@ -41,7 +43,7 @@ from kvgate.policies.base import (
 
 
 @dataclass
-class H2O(ScoredPolicy, DecodeEvicting):
+class H2O(ScoredPolicy, DecodeEvicting, AllocationOption):
     """Prefill: top column sums outside the recent window + the window. Decode: keep
     accumulating every new row and evict the argmin outside the recent window."""
 
@@ -52,6 +54,7 @@ class H2O(ScoredPolicy, DecodeEvicting):
     column_sums = True  # the cache may hand them over from its prefill (one pass, no re-score)
 
     def __post_init__(self) -> None:
+        self.check_allocation()
         check_share(self.name, "recent", self.recent)
         check_choice(self.name, "gqa", self.gqa, ("mean", "max"))
 

@@ -63,6 +63,7 @@ class PyramidKV(SnapKV):
     integer_step: bool = False
 
     name = "pyramidkv"
+    allocations = ("head",)  # its layer budgets are its rule: a global ranking ignores them
 
     def __post_init__(self) -> None:
         super().__post_init__()

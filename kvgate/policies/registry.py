@@ -5,6 +5,7 @@ Adding a policy: one file defining a ``Policy`` subclass, one line in ``POLICIES
 
 from __future__ import annotations
 
+from dataclasses import fields, is_dataclass
 from typing import Any
 
 from kvgate.policies.adakv import AdaKV
@@ -15,6 +16,7 @@ from kvgate.policies.full import Full
 from kvgate.policies.gate_hybrid import GateHybrid
 from kvgate.policies.h2o import H2O
 from kvgate.policies.knorm import KNorm
+from kvgate.policies.kvzip import KVzip
 from kvgate.policies.nacl import NaCl
 from kvgate.policies.pyramidkv import PyramidKV
 from kvgate.policies.random_keep import RandomKeep
@@ -41,6 +43,7 @@ POLICIES: dict[str, type[Policy]] = {
     "roco": RoCo,
     "ahakv": AhaKV,
     "knorm": KNorm,
+    "kvzip": KVzip,
     "attention_gate": AttentionGatePolicy,
     "gate_hybrid": GateHybrid,
 }
@@ -74,8 +77,13 @@ def policy_spec(policy: Policy) -> dict[str, Any]:
             return value
         return repr(value)
 
+    # an option added after results were stored (``allocation``) is written only when it is
+    # not at its default, so the specs stored before it still match
+    quiet = {f.name for f in fields(policy) if f.metadata.get("omit_default")
+             and getattr(policy, f.name) == f.default} if is_dataclass(policy) else set()
     return {"policy": policy.name,
-            "options": {key: plain(getattr(policy, key)) for key in policy_options(type(policy))}}
+            "options": {key: plain(getattr(policy, key)) for key in policy_options(type(policy))
+                        if key not in quiet}}
 
 
 def get_policy(name: str, **options: Any) -> Policy:

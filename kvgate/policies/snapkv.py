@@ -17,6 +17,8 @@ A budget smaller than the window keeps the last ``B`` tokens (the window is clip
 ``window`` may also be a float share of the prompt (``0.1`` = its last 10%, at least one
 token): the papers' 32 rows were chosen for LongBench prompts of thousands of tokens, and on
 a 60-token prompt at 50% a 32-token window is the whole budget, i.e. a local window.
+``allocation`` (``AllocationOption``): ``"head"`` or ``"global"`` (the pooled votes divided by
+their per-(layer, head) sum outside the window, which is kept).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import torch
 from torch import Tensor
 
 from kvgate.policies.base import (
+    AllocationOption,
     Budget,
     LayerPrompt,
     ScoredPolicy,
@@ -42,7 +45,7 @@ from kvgate.policies.base import (
 
 
 @dataclass
-class SnapKV(ScoredPolicy):
+class SnapKV(ScoredPolicy, AllocationOption):
     """Window-voted, pooled attention scores; the window is always kept."""
 
     window: int | float = 32
@@ -54,6 +57,7 @@ class SnapKV(ScoredPolicy):
     name = "snapkv"
 
     def __post_init__(self) -> None:
+        self.check_allocation()
         if isinstance(self.window, float):
             if not 0.0 < self.window <= 1.0:
                 raise option_error(self.name, "window", "a float share must lie in (0, 1]",

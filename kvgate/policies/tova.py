@@ -7,6 +7,8 @@ over the heads); at the prefill, keep the top-``B`` entries by the last prompt r
 The score is the last query row's attention averaged over *all* query heads of the layer, so
 every KV head of a layer keeps the same tokens. No sinks, no window: the whole budget goes
 to the top scores (the current token usually survives on its own self-attention).
+``allocation`` (``AllocationOption``): ``"head"`` or ``"global"`` (the last row's attention
+sums to one in every layer already; divided by its sum over the candidates all the same).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import torch
 from torch import Tensor
 
 from kvgate.policies.base import (
+    AllocationOption,
     Budget,
     DecodeEvicting,
     LayerPrompt,
@@ -47,10 +50,13 @@ def shared_by_position(per_head: Tensor, valid: Tensor, positions: Tensor, group
 
 
 @dataclass
-class TOVA(ScoredPolicy, DecodeEvicting):
+class TOVA(ScoredPolicy, DecodeEvicting, AllocationOption):
     """Keep the top-``B`` tokens by the last row's head-averaged attention (shared per layer)."""
 
     name = "tova"
+
+    def __post_init__(self) -> None:
+        self.check_allocation()
 
     def scores(self, prompt: LayerPrompt, budget: Budget | None = None) -> Tensor:
         """``[B, H_kv, n]``: identical rows across KV heads (mean over all query heads)."""

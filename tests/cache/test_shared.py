@@ -11,7 +11,7 @@ from kvgate.cache import CacheError, CompressedCache
 from kvgate.cache.shared import SharedPrefill, _fill_layer, shares_prefill
 from kvgate.policies import get_policy, list_policies
 from kvgate.policies.base import Budget, PolicyError
-from kvgate.policies.contract import EncodeMasking, StreamingPrefill
+from kvgate.policies.contract import EncodeMasking, PassScoring, StreamingPrefill
 
 SMALL = {"snapkv": {"window": 4}, "pyramidkv": {"window": 4},
          "adakv": {"inner_options": {"window": 4}}, "ahakv": {"recent": 4},
@@ -97,10 +97,11 @@ def test_a_filled_cache_decodes_like_its_own(model):
         assert got.tolist() == want.tolist(), n
 
 
-def test_shares_prefill_leaves_out_streamed_prefills_and_the_gates():
+def test_shares_prefill_leaves_out_streamed_prefills_the_gates_and_extra_passes():
     left_out = {n for n in list_policies() if n not in ONE_SHOT}
-    assert left_out == LEARNED | {"roco"}
+    assert left_out == LEARNED | {"roco", "kvzip"}
     assert isinstance(get_policy("roco"), StreamingPrefill)
+    assert isinstance(get_policy("kvzip"), PassScoring)  # its passes run over its own cache
     assert all(isinstance(get_policy(n), EncodeMasking) for n in LEARNED)
 
 
@@ -108,6 +109,8 @@ def test_refusals(model):
     ids, mask, pos = _batch()
     with pytest.raises(PolicyError, match="streams the prompt"):
         SharedPrefill(model, {"r": (get_policy("roco", block=4), 0.5)})
+    with pytest.raises(PolicyError, match="chooses after extra passes"):
+        SharedPrefill(model, {"k": (get_policy("kvzip"), 0.5)})
     with pytest.raises(PolicyError, match="at least one"):
         SharedPrefill(model, {})
 

@@ -123,6 +123,20 @@ def test_results_of_another_model_are_not_mixed(capsys, tiny_cli, tmp_path):
     assert code == 2 and "use another --out folder" in err
 
 
+@pytest.mark.parametrize("command, args", [
+    ("mc", ["--tasks", "copa", "--mode", "cache", "--limit", "2"]),
+    ("ppl", ["--mode", "cache", "--docs", "2", "--max-length", "48"]),
+])
+def test_kvzip_runs_its_repeat_pass_in_cache_mode(capsys, tiny_cli, tmp_path, command, args):
+    """The cache-mode scorers hand the tokenizer over, so KVzip's passes run before the
+    continuations are scored (a cache without them would refuse the continuation)."""
+    code, _, err = run(capsys, command, "--model", "x", "--out", str(tmp_path), "--policies",
+                       "kvzip", "--policy-opt", "kvzip.chunk=16", "--no-progress", *args)
+    assert code == 0, err
+    (record,) = json.loads((tmp_path / "results.json").read_text())["results"].values()
+    assert record["complete"] and 40 < record["evict_pct"] < 60
+
+
 def test_matched_end_to_end_with_patterns(capsys, monkeypatch, tiny_llama, tmp_path):
     torch.manual_seed(0)
     patch(tiny_llama, GateConfig(gamma=0.0))

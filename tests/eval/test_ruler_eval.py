@@ -198,3 +198,20 @@ def test_one_shot_policies_share_each_examples_prefill(capsys, tiny, tmp_path, m
     assert code == 0, err
     assert [want for _, want in calls] == [sorted(
         f"ruler|niah_single_1@300|tova|{b}|agnostic" for b in ("0.5", "0.25"))] * 2
+
+
+@pytest.mark.parametrize("flags", [[], ["--query-aware"]])
+def test_kvzip_runs_its_repeat_pass_in_ruler(capsys, tiny, tmp_path, flags):
+    """KVzip (its own prefill, then the repeat pass) and KVzip+ ranked globally, asked after
+    compression and query-aware (prefill then decode)."""
+    out = tmp_path / "k"
+    code, _, err = cli(capsys, "eval", "ruler", "--model", "x", "--tasks", "vt", "--lengths",
+                       "300", "--depths", "0", "--policies", "kvzip,kzg=kvzip", "--policy-opt",
+                       "kzg.plus=true", "--policy-opt", "kzg.allocation=global", "--budgets",
+                       "0.5", "--max-new-tokens", "2", "--limit", "1", "--no-progress",
+                       "--out", str(out), *flags)
+    assert code == 0, err
+    res = results(out)
+    assert len(res) == 2
+    for rec in res.values():
+        assert rec["complete"] and rec["evict_pct"] == pytest.approx(50, abs=5)

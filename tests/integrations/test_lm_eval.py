@@ -67,6 +67,15 @@ def test_loglikelihoods_equal_kvgates_own_cache_scorer(base, piqa, policy, optio
     assert (kept == 1.0) == (policy == "full")
 
 
+def test_kvzip_runs_its_repeat_pass_under_lm_eval(base, piqa):
+    """A PassScoring policy's extra passes run before the continuations are scored."""
+    lm = KVGateLM(pretrained=base, policy="kvzip", budget=0.5, batch_size=2, chunk=16)
+    got = lm.loglikelihood(_requests("loglikelihood", [(ex.context, ex.choices[0])
+                                                        for ex in piqa[:2]]))
+    assert len(got) == 2 and all(ll < 0 for ll, _ in got)
+    assert 0.45 < lm.kept_fraction < 0.65
+
+
 def test_eviction_changes_the_scores_and_greedy_flags_are_real(base):
     full = KVGateLM(pretrained=base, policy="full")
     snap = KVGateLM(pretrained=base, policy="snapkv", budget=0.25, window=4)

@@ -35,7 +35,8 @@ def score_pairs(engine: Engine, contexts: Sequence[Sequence[int]],
     """Score each ``continuations[i]`` after ``contexts[i]`` compressed by ``engine``'s policy
     at its budget (one cache for the batch; every sequence non-empty)."""
     num_layers, kv_heads = model_shape(engine.model)
-    rows = score_continuations(engine.model, engine.new_cache(), contexts, continuations, pad)
+    rows = score_continuations(engine.model, engine.new_cache(), contexts, continuations, pad,
+                               engine.tokenizer)
     return PairScores(rows.loglik.tolist(), rows.greedy.tolist(), int(rows.kept.sum()),
                       num_layers * kv_heads * int(rows.n_real.sum()))
 
