@@ -17,7 +17,7 @@ import kvgate.cli.train  # Lightning's log handler takes the real stderr on impo
 import kvgate.eval.commands
 from kvgate.cli import main
 from kvgate.eval.config import MatchedConfig, MCConfig, NeedleConfig, PPLConfig
-from kvgate.eval.masked import EvalError
+from kvgate.eval.errors import EvalError
 from kvgate.policies.base import Budget
 
 COMMANDS = ("train", "infer", "eval", "export", "prepare", "data")

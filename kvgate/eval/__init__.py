@@ -3,7 +3,10 @@
 - :mod:`.multiple_choice`: zero- or k-shot multiple choice in ``masked`` or ``cache`` mode, fixed
   or matched budgets, %Evict as the Attention-Gate paper defines it;
 - :mod:`.masked`: the masked-mode attention (keep decisions applied as masks, one forward);
-- :mod:`.needle`: passkey retrieval (length x depth) and perplexity under eviction;
+- :mod:`.needle`: passkey retrieval (length x depth);
+- :mod:`.ppl`: perplexity under eviction;
+- :mod:`.errors`: ``EvalError`` and the model and tokenizer facts every module reads;
+- :mod:`.resumable`: one result key scored example by example, resumable;
 - :mod:`.ruler`: RULER-style task families (generators, scoring, ``evaluate_ruler``, tables);
 - :mod:`.longbench`: LongBench's tasks and metrics under eviction (``evaluate_longbench``);
 - :mod:`.asked`: one example asked after compression, or with its question compressed too;
@@ -31,14 +34,14 @@ import importlib
 from typing import Any
 
 _EXPORTS = {
-    "EvalError": "masked", "ItemScore": "masked", "MaskedScoringCache": "masked",
+    "EvalError": "errors", "ItemScore": "masked", "MaskedScoringCache": "masked",
     "ScoringItem": "masked", "masked_scores": "masked",
     "MODES": "multiple_choice", "cache_scores": "multiple_choice",
     "evaluate_matched": "multiple_choice", "evaluate_mc": "multiple_choice",
     "matched_budgets": "multiple_choice", "mc_item": "multiple_choice",
     "score_batch": "multiple_choice",
-    "evaluate_needle": "needle", "evaluate_ppl": "needle", "generate_greedy": "needle",
-    "make_needle": "needle", "needle_set": "needle", "ppl_items": "needle",
+    "evaluate_needle": "needle", "evaluate_ppl": "ppl", "generate_greedy": "needle",
+    "make_needle": "needle", "needle_set": "needle", "ppl_items": "ppl",
     "ResultStore": "report", "markdown_table": "report", "plot_eviction_pattern": "report",
     "write_outputs": "report",
     "MCConfig": "config", "MatchedConfig": "config", "NeedleConfig": "config",

@@ -36,7 +36,7 @@ from kvgate.eval.config import (
     TaskConfig,
     parse_policies,
 )
-from kvgate.eval.masked import EvalError
+from kvgate.eval.errors import EvalError
 from kvgate.eval.report import ResultStore, markdown_table, write_outputs
 from kvgate.policies.base import Budget, Policy
 
@@ -160,7 +160,8 @@ def write_patterns(model: Any, tokenizer: Any, tasks: dict[str, list[Any]],
                    out: Path, cfg: TaskConfig | None = None) -> list[Path]:
     """Eviction-pattern plots of the first ``samples`` examples of the first task (cut as
     ``cfg``'s ``max_length`` and ``truncate`` say)."""
-    from kvgate.eval.masked import masked_scores, pad_id
+    from kvgate.eval.errors import pad_id
+    from kvgate.eval.masked import masked_scores
     from kvgate.eval.multiple_choice import tokenize_tasks
     from kvgate.eval.report import plot_eviction_pattern
     from kvgate.models.limits import context_limit
@@ -268,7 +269,7 @@ def run_longbench(cfg: LongBenchConfig, load: Loader | None = None) -> EvalOutpu
 
 def run_ppl(cfg: PPLConfig, load: Loader | None = None) -> EvalOutput:
     """Perplexity under eviction (per text, or over fixed windows with ``context``)."""
-    from kvgate.eval.needle import evaluate_ppl
+    from kvgate.eval.ppl import evaluate_ppl
 
     model, tokenizer, policies, store = _loaded(cfg, load, cfg.build_policies())
     evaluate_ppl(model, tokenizer, load_texts(cfg), policies, cfg.budgets, store, mode=cfg.mode,

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvgate.eval.masked import EvalError
+from kvgate.eval.errors import EvalError
 from kvgate.files import check_output_dir
 from kvgate.models.arch import parse_dtype
 from kvgate.models.load import check_device
