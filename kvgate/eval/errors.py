@@ -4,12 +4,13 @@ token ids of a text)."""
 
 from __future__ import annotations
 
-from typing import Any
-
-import torch
-from torch import nn
+from typing import TYPE_CHECKING, Any
 
 from kvgate.errors import KVGateError
+
+if TYPE_CHECKING:  # the configs import this module to build the flags: no torch until run
+    import torch
+    from torch import nn
 
 
 class EvalError(KVGateError, ValueError):
