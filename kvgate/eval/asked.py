@@ -26,8 +26,6 @@ from kvgate.eval.teacher import TeacherScore, teacher_scores
 from kvgate.policies.base import Budget, Policy
 from kvgate.policies.contract import DecodeEvicting
 
-SCORES = ("generate", "teacher")
-
 
 @dataclass(frozen=True)
 class Question:

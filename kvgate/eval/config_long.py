@@ -9,6 +9,7 @@ policy each row's score is compared with on the same examples: :mod:`kvgate.eval
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -44,14 +45,18 @@ def paired_opt() -> Any:
                metavar="POLICY")
 
 
+def check_scores(scores: str | Sequence[str]) -> list[str]:
+    """The scorers named (``generate``, ``teacher``), in that order; one line if unknown."""
+    given = _items(scores)
+    if not given or any(s not in SCORES for s in given) or len(set(given)) != len(given):
+        raise EvalError(f"--score must be one or both of {', '.join(SCORES)}, got "
+                        f"{','.join(given) or 'nothing'}")
+    return [s for s in SCORES if s in given]
+
+
 def check_qa(cfg: Any) -> None:
     """``score`` as a list of scorers; ``paired`` one of the run's policy labels."""
-    cfg.score = _items(cfg.score)
-    if not cfg.score or any(s not in SCORES for s in cfg.score) or \
-            len(set(cfg.score)) != len(cfg.score):
-        raise EvalError(f"--score must be one or both of {', '.join(SCORES)}, got "
-                        f"{','.join(cfg.score) or 'nothing'}")
-    cfg.score = [s for s in SCORES if s in cfg.score]
+    cfg.score = check_scores(cfg.score)
     labels = [p.partition("=")[0].strip() for p in cfg.policies]
     if cfg.paired is not None and cfg.paired not in labels and labels != ["all"]:
         raise EvalError(f"--paired {cfg.paired}: not a label of --policies "

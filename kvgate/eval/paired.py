@@ -61,17 +61,3 @@ def add_paired(store: ResultStore, keys: Sequence[str], policy: str, seed: int =
                                   **paired_difference([results[key]], [results[ref]], seed)}
         store.put(key, {k: v for k, v in results[key].items() if k != "examples"},
                   results[key]["examples"], results[key].get("complete", False))
-
-
-def paired_cell(row: Row) -> str:
-    """A table cell: ``+1.5 [-2.0, 5.0]`` (points), ``-`` when the row has none."""
-    p = row.get("paired")
-    if not p or math.isnan(p["diff"]):
-        return "-"
-    return f"{p['diff']:+.1f} [{p['ci_low']:.1f}, {p['ci_high']:.1f}]"
-
-
-def paired_header(rows: Sequence[Row]) -> str | None:
-    """``vs POLICY`` when a row carries a paired difference, else None (no column)."""
-    names = sorted({r["paired"]["policy"] for r in rows if r.get("paired")})
-    return f"vs {', '.join(names)} (paired)" if names else None

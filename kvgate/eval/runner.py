@@ -28,8 +28,8 @@ from typing import Any
 from torch import nn
 
 from kvgate.cache.shared import shares_prefill
-from kvgate.eval.asked import SCORES, Asked, Question, ask_agnostic, ask_query_aware, ask_shared
-from kvgate.eval.errors import EvalError
+from kvgate.eval.asked import Asked, Question, ask_agnostic, ask_query_aware, ask_shared
+from kvgate.eval.config_long import check_scores
 from kvgate.eval.intervals import mean_interval
 from kvgate.eval.report import ResultStore, budget_label, make_key
 from kvgate.eval.resumable import evict_summary, run_resumable
@@ -98,14 +98,6 @@ def text_item(tokenizer: Any, uid: str, context: str, question: str, answer_pref
     gold = tuple(answer_tokens(tokenizer, asked, a) for a in answers)
     return QAItem(uid, ctx_ids, Question(q_ids, max_new_tokens, gold), tuple(answers), match,
                   {**(fields or {}), "n_ctx": len(ctx_ids)}, {**(meta or {}), "chat": chat})
-
-
-def check_scores(scores: Sequence[str]) -> list[str]:
-    out = [s for s in SCORES if s in scores]
-    if not out or len(out) != len(set(scores)):
-        raise EvalError(f"--score must be one or both of {', '.join(SCORES)}, got "
-                        f"{','.join(scores) or 'none'}")
-    return out
 
 
 def _mean(values: Sequence[float]) -> float:

@@ -208,3 +208,28 @@ def test_one_shot_policies_share_each_examples_prefill(capsys, tiny, tmp_path, m
     assert code == 0, err
     assert [want for _, want in calls] == [sorted(
         f"ruler|niah_single_1@300|tova|{b}|agnostic" for b in ("0.5", "0.25"))] * 2
+
+
+def test_teacher_scores_and_paired_differences_reach_the_tables(capsys, tiny, tmp_path):
+    """--score generate,teacher: records carry the gold answers' tokens, greedy-exact and
+    log-likelihood, keys their agreement; --paired full: every row's difference to full on
+    the same examples, [0, 0] for full itself, per family and averaged."""
+    out = tmp_path / "t"
+    code, _, err = cli(capsys, "eval", "ruler", "--model", "x", "--tasks", "niah_single_1,vt",
+                       "--lengths", "300", "--limit", "2", "--policies", "full,snapkv",
+                       "--max-new-tokens", "4", "--no-progress", "--score", "generate,teacher",
+                       "--paired", "full", "--out", str(out))
+    assert code == 0, err
+    res = results(out)
+    for key, rec in res.items():
+        assert 0 <= rec["agree_pct"] <= 100 and rec["settings"]["score"] == ["generate",
+                                                                             "teacher"]
+        for ex in rec["examples"].values():
+            assert len(ex["teacher"]) == len(ex["answers"]) and "output" in ex
+            assert all(t["tokens"] and t["ll"] < 0 for t in ex["teacher"])
+        if "|full|" in key:
+            assert (rec["paired"]["diff"], rec["paired"]["ci_low"], rec["paired"]["ci_high"]) \
+                == (0.0, 0.0, 0.0)
+    md = (out / "results.md").read_text()
+    assert md.count("vs full (paired)") == 2 and md.count("greedy-exact %") == 2
+    assert "| +0.0 [0.0, 0.0] |" in md

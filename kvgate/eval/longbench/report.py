@@ -59,14 +59,18 @@ def longbench_markdown(results: Sequence[Row]) -> str:
                                                       r["mode"]))
     if not rows:
         return ""
+    from kvgate.eval.columns import cells, header, optional_columns
+
+    cols = optional_columns(rows)
+    extra, more = header(cols)
     head = ("| task | metric | policy | budget | mode | n | score | 95% CI | %Evict | "
             "s/example |")
-    lines = ["### longbench", "", head, "|" + "---|" * 10]
+    lines = ["### longbench", "", head + extra, "|" + "---|" * (10 + more)]
     for r in rows:
         lines.append(f"| {r['task']} | {r.get('metric', '-')} | {r['policy']} | {r['budget']} | "
                      f"{r['mode']} | {r['n']} | {_f(r['acc'])} | {_f(r['ci_low'])}-"
                      f"{_f(r['ci_high'])} | {_f(r['evict_pct'])} | "
-                     f"{_f(r['sec_per_example'], 3)} |")
+                     f"{_f(r['sec_per_example'], 3)} |" + cells(cols, r))
     head = ("| policy | budget | mode | tasks | n | score | 95% CI | %Evict | s/example | "
             "x full |")
     lines += ["", "### longbench (average over tasks)", "", head, "|" + "---|" * 10]

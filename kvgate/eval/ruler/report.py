@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from kvgate.eval.columns import mean_of
 from kvgate.eval.intervals import stratified_interval
 
 Row = dict[str, Any]
@@ -47,7 +48,8 @@ def averages(results: Sequence[Row]) -> list[Row]:
                     "families": len(rows), "n": sum(r["n"] for r in rows),
                     "acc": sum(r["acc"] for r in rows) / len(rows), "ci_low": lo, "ci_high": hi,
                     "evict_pct": sum(r["evict_pct"] for r in rows) / len(rows),
-                    "sec_per_example": secs})
+                    "sec_per_example": secs, **mean_of(rows, "teacher_acc"),
+                    **mean_of(rows, "agree_pct")})
         _average_paired(out[-1], rows, groups)
     full = {(r["length"], r["mode"], r["families"]): r["sec_per_example"] for r in out
             if r["policy"] == "full"}
@@ -82,29 +84,30 @@ def ruler_markdown(results: Sequence[Row]) -> str:
     rows = _ruler(results)
     if not rows:
         return ""
-    from kvgate.eval.paired import paired_cell, paired_header
+    from kvgate.eval.columns import cells, header, optional_columns
 
-    paired = paired_header(rows)
-    extra = f" {paired} |" if paired else ""
+    cols = optional_columns(rows)
+    extra, more = header(cols)
     head = "| task | length | policy | budget | mode | n | score % | 95% CI | %Evict | s/example |"
-    lines = ["### ruler", "", head + extra, "|" + "---|" * (10 + bool(paired))]
+    lines = ["### ruler", "", head + extra, "|" + "---|" * (10 + more)]
     for r in sorted(rows, key=lambda r: (r["family"], int(r["length"]), r["policy"],
                                          r["budget"], r["mode"])):
         lines.append(f"| {r['family']} | {r['length']} | {r['policy']} | {r['budget']} | "
                      f"{r['mode']} | {r['n']} | {_f(r['acc'])} | {_f(r['ci_low'])}-"
                      f"{_f(r['ci_high'])} | {_f(r['evict_pct'])} | "
-                     f"{_f(r['sec_per_example'], 3)} |" + (f" {paired_cell(r)} |" if paired
-                                                          else ""))
+                     f"{_f(r['sec_per_example'], 3)} |" + cells(cols, r))
     head = ("| length | policy | budget | mode | families | n | score % | 95% CI | %Evict | "
             "s/example | x full |")
+    avg = averages(results)
+    cols = optional_columns(avg)
+    extra, more = header(cols)
     lines += ["", "### ruler (average over task families)", "", head + extra,
-              "|" + "---|" * (11 + bool(paired))]
-    for a in averages(results):
+              "|" + "---|" * (11 + more)]
+    for a in avg:
         lines.append(f"| {a['length']} | {a['policy']} | {a['budget']} | {a['mode']} | "
                      f"{a['families']} | {a['n']} | {_f(a['acc'])} | {_f(a['ci_low'])}-"
                      f"{_f(a['ci_high'])} | {_f(a['evict_pct'])} | "
-                     f"{_f(a['sec_per_example'], 3)} | {_f(a['x_full'], 2)} |"
-                     + (f" {paired_cell(a)} |" if paired else ""))
+                     f"{_f(a['sec_per_example'], 3)} | {_f(a['x_full'], 2)} |" + cells(cols, a))
     return "\n".join(lines)
 
 
