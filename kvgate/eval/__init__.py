@@ -46,7 +46,7 @@ _EXPORTS = {
     "evaluate_matched": "multiple_choice", "evaluate_mc": "multiple_choice",
     "matched_budgets": "multiple_choice", "mc_item": "multiple_choice",
     "score_batch": "multiple_choice",
-    "evaluate_needle": "needle", "evaluate_ppl": "ppl", "generate_greedy": "needle",
+    "evaluate_needle": "needle", "evaluate_ppl": "ppl",
     "make_needle": "needle", "needle_set": "needle", "ppl_items": "ppl",
     "ResultStore": "report", "markdown_table": "report", "plot_eviction_pattern": "report",
     "write_outputs": "report",
