@@ -16,8 +16,9 @@ from conftest import ROOT, build, load_script, tiny_llama_config
 import kvgate.cli.train  # Lightning's log handler takes the real stderr on import, not capsys's
 import kvgate.eval.commands
 from kvgate.cli import main
-from kvgate.eval.config import MatchedConfig, MCConfig, NeedleConfig, PPLConfig
-from kvgate.eval.masked import EvalError
+from kvgate.eval.config import MatchedConfig, MCConfig
+from kvgate.eval.config_long import NeedleConfig, PPLConfig
+from kvgate.eval.errors import EvalError
 from kvgate.policies.base import Budget
 
 COMMANDS = ("train", "infer", "eval", "export", "prepare", "data")

@@ -51,8 +51,9 @@ def run_cli(run: Callable[[argparse.Namespace], int], args: argparse.Namespace) 
 
 def build_parser() -> argparse.ArgumentParser:
     from kvgate.cli import evaluate, export, infer, tools
+    from kvgate.eval.options import plain
 
-    p = argparse.ArgumentParser(prog="kvgate", description=__doc__,
+    p = argparse.ArgumentParser(prog="kvgate", description=plain(__doc__),
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--version", action="version", version=f"kvgate {_version()}")
     sub = p.add_subparsers(dest="command", metavar="COMMAND", required=True)

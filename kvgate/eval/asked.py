@@ -1,79 +1,117 @@
-"""One example asked under a policy, the two ways long-context benchmarks ask it.
+"""One tokenised example asked under a policy, the two ways long-context benchmarks ask it.
 
-- :func:`compress_then_answer` (question-agnostic, the field's setting: kvpress, RULER under
-  eviction): ``Engine.compress`` runs the policy on the context alone, then ``Engine.answer``
-  asks the question over the compressed cache, so the policy never sees the question;
-- :func:`prefill_then_decode` (query-aware): context and question are prefilled together under
-  the policy, which then sees the question, and decoding follows.
+- question-agnostic (the field's setting: kvpress, RULER under eviction): the policy compresses
+  the context alone (:func:`kvgate.inference.compress.prefill_rows`), then the question is fed
+  over the compressed cache and the answer decoded (``answer_rows``), so the policy never sees
+  the question; :func:`ask_shared` does this for several one-shot policies from one prefill;
+- query-aware: context and question are prefilled together under the policy, which then sees
+  the question, and decoding follows (``decode_after``).
 
-Both return what a benchmark record needs: the answer text, the kept and total prompt entries
-(``layers x KV heads x tokens``) and the seconds of compress + answer.
+Either way the answer is asked as ``generate`` (greedy decoding, ``kvgate.inference.decode``)
+and / or ``teacher`` (:mod:`kvgate.eval.teacher`: the gold answers fed once). Each returns an
+:class:`Asked`: what a benchmark record needs besides its score.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from torch import nn
 
-from kvgate.eval.masked import model_shape, pad_id
+from kvgate.eval.errors import model_shape
+from kvgate.eval.teacher import TeacherScore, teacher_scores
 from kvgate.policies.base import Budget, Policy
 from kvgate.policies.contract import DecodeEvicting
 
 
 @dataclass(frozen=True)
+class Question:
+    """What is asked after the context: its tokens, the tokens to generate, and the gold
+    answers' tokens (teacher scoring)."""
+
+    ids: tuple[int, ...]
+    max_new_tokens: int
+    answers: tuple[tuple[int, ...], ...] = ()
+
+
+@dataclass
 class Asked:
-    text: str
+    text: str | None  # None when nothing was generated (teacher scoring only)
     kept: int
     total: int
     seconds: float
+    teacher: list[TeacherScore] = field(default_factory=list)  # one per gold answer
 
     def record(self) -> dict[str, Any]:
         """The fields every benchmark record stores: answer, kept / total entries, eviction
         share and seconds (each benchmark adds its score and its own fields)."""
-        return {"output": self.text, "kept": self.kept, "total": self.total,
-                "evict": 1.0 - self.kept / max(self.total, 1), "seconds": self.seconds}
+        out = {"kept": self.kept, "total": self.total,
+               "evict": 1.0 - self.kept / max(self.total, 1), "seconds": self.seconds}
+        if self.text is not None:
+            out["output"] = self.text
+        return out
 
 
-def compress_then_answer(model: nn.Module, tokenizer: Any, context: str, question: str,
-                         answer_prefix: str | None, max_new_tokens: int, policy: Policy,
-                         budget: Budget, chat: bool) -> Asked:
-    """Compress ``context``, then ask ``question`` (and its answer prefix) over the cache."""
+def _engine(model: nn.Module, tokenizer: Any, policy: Policy | str = "full",
+            budget: Budget | float = 1.0) -> Any:
     from kvgate.inference import Engine
 
+    return Engine(model, tokenizer, policy, budget)
+
+
+def _ask(engine: Any, compressed: Any, question: Question, scores: Sequence[str],
+         rows: int = 1) -> tuple[list[str | None], list[list[TeacherScore]]]:
+    """The question over ``compressed`` (``rows`` contexts, the same question each)."""
+    from kvgate.inference.compress import answer_rows
+
+    texts: list[str | None] = [None] * rows
+    if "generate" in scores:
+        ids = answer_rows(engine, compressed, [list(question.ids)] * rows,
+                          question.max_new_tokens)
+        texts = [engine.tokenizer.decode(row, skip_special_tokens=True) for row in ids]
+    teacher = [[] for _ in range(rows)]
+    if "teacher" in scores:
+        teacher = teacher_scores(engine.model, compressed, question.ids, question.answers)
+    return texts, teacher
+
+
+def _kept(model: nn.Module, compressed: Any) -> tuple[int, int]:
     layers, heads = model_shape(model)
-    engine = Engine(model, tokenizer, policy, budget)
-    t0 = time.perf_counter()
-    compressed = engine.compress(context, chat=chat)
-    text = engine.answer(compressed, [question], max_new_tokens=max_new_tokens,
-                         answer_prefix=answer_prefix)[0]
-    seconds = time.perf_counter() - t0
     total = layers * heads * compressed.lengths[0]
-    return Asked(text, round(compressed.kept_fraction * total), total, seconds)
+    return round(compressed.kept_fraction * total), total
 
 
-def compress_shared_then_answer(model: nn.Module, tokenizer: Any, context: str, question: str,
-                                answer_prefix: str | None, max_new_tokens: int,
-                                variants: Mapping[str, tuple[Policy, Budget]],
-                                chat: bool) -> dict[str, Asked]:
-    """:func:`compress_then_answer` for several one-shot ``variants[name] = (policy, budget)``:
-    one shared prefill (``kvgate.inference.compress.compress_shared``), then the question is
-    answered over every compressed cache at once, as the rows of one batch
-    (``kvgate.cache.fork.stack_caches``; a decode-evicting policy's budgets form a batch of
-    their own, decoded under it). The answers are each variant's own run's, up to the float
-    rounding a batch may change. A variant's seconds are its share of the run: the prefill
-    less the other variants' choosing, plus its batch's answer divided by the batch size."""
-    from kvgate.cache.fork import stack_caches
-    from kvgate.inference import Engine
-    from kvgate.inference.compress import CompressedContext, answer_all, compress_shared
+def ask_agnostic(model: nn.Module, tokenizer: Any, context: Sequence[int], question: Question,
+                 policy: Policy, budget: Budget, scores: Sequence[str]) -> Asked:
+    """Compress ``context``, then ask ``question`` over the compressed cache."""
+    from kvgate.inference.compress import prefill_rows
 
-    layers, heads = model_shape(model)
-    engine = Engine(model, tokenizer, "full", 1.0)
+    engine = _engine(model, tokenizer, policy, budget)
     t0 = time.perf_counter()
-    compressed, own = compress_shared(engine, context, variants, chat=chat)
+    compressed, _ = prefill_rows(engine, [list(context)], engine.new_cache())
+    texts, teacher = _ask(engine, compressed, question, scores)
+    return Asked(texts[0], *_kept(model, compressed), time.perf_counter() - t0, teacher[0])
+
+
+def ask_shared(model: nn.Module, tokenizer: Any, context: Sequence[int], question: Question,
+               variants: Mapping[str, tuple[Policy, Budget]],
+               scores: Sequence[str]) -> dict[str, Asked]:
+    """:func:`ask_agnostic` for several one-shot ``variants[name] = (policy, budget)``: one
+    shared prefill (``kvgate.cache.shared.SharedPrefill``), then the question over every
+    compressed cache at once, as the rows of one batch (``kvgate.cache.fork.stack_caches``; a
+    decode-evicting policy's budgets form a batch of their own, decoded under it). The answers
+    are each variant's own run's, up to the float rounding a batch may change. A variant's
+    seconds are its share of the run: the prefill less the other variants' choosing, plus its
+    batch's answer divided by the batch size."""
+    from kvgate.cache.fork import stack_caches
+    from kvgate.inference.compress import CompressedContext, compress_rows_shared
+
+    engine = _engine(model, tokenizer)
+    t0 = time.perf_counter()
+    compressed, own = compress_rows_shared(engine, [list(context)], variants)
     prefill = time.perf_counter() - t0 - sum(own.values())
     groups: dict[Any, list[str]] = {}
     for name, (policy, _) in variants.items():
@@ -85,25 +123,40 @@ def compress_shared_then_answer(model: nn.Module, tokenizer: Any, context: str, 
         one = compressed[names[0]]
         rows = len(names)
         batch = CompressedContext(stack_caches([compressed[n].cache for n in names]),
-                                  one.input_ids.expand(rows, -1), one.attention_mask.expand(rows, -1),
-                                  one.chat, one.suffix, one.contexts * rows)
-        texts, _ = answer_all(engine, batch, [[question]] * rows, max_new_tokens, answer_prefix)
+                                  one.input_ids.expand(rows, -1),
+                                  one.attention_mask.expand(rows, -1), one.chat, one.suffix)
+        texts, teacher = _ask(engine, batch, question, scores, rows)
         share = (time.perf_counter() - t1) / rows
-        for name, text in zip(names, texts):
-            total = layers * heads * one.lengths[0]
-            kept = round(compressed[name].kept_fraction * total)
-            out[name] = Asked(text[0], kept, total, prefill + own[name] + share)
+        for i, name in enumerate(names):
+            out[name] = Asked(texts[i], *_kept(model, compressed[name]),
+                              prefill + own[name] + share, teacher[i])
     return {name: out[name] for name in variants}
 
 
-def prefill_then_decode(model: nn.Module, tokenizer: Any, ids: Sequence[int],
-                        max_new_tokens: int, policy: Policy, budget: Budget) -> Asked:
-    """Prefill ``ids`` (context and question) under the policy, then decode greedily."""
-    from kvgate.eval.needle import generate_greedy
+def ask_query_aware(model: nn.Module, tokenizer: Any, context: Sequence[int],
+                    question: Question, policy: Policy, budget: Budget,
+                    scores: Sequence[str]) -> Asked:
+    """Prefill context and question together under the policy, then feed the gold answers
+    over forks of the cache (teacher) and / or decode (generate)."""
+    import torch
 
+    from kvgate.inference.compress import decode_after, prefill_rows
+
+    engine = _engine(model, tokenizer, policy, budget)
     t0 = time.perf_counter()
-    gen, kept, total = generate_greedy(model, [list(ids)], policy, budget, max_new_tokens,
-                                       pad_id(tokenizer), getattr(tokenizer, "eos_token_id", None),
-                                       tokenizer=tokenizer)
-    seconds = time.perf_counter() - t0
-    return Asked(tokenizer.decode(gen[0], skip_special_tokens=True), kept[0], total[0], seconds)
+    with torch.no_grad():
+        compressed, out = prefill_rows(engine, [list(context) + list(question.ids)],
+                                       engine.new_cache())
+    kept, total = _kept(model, compressed)
+    teacher = []
+    if "teacher" in scores:  # first: decoding below grows the cache
+        teacher = teacher_scores(model, compressed, (), question.answers,
+                                 first=out.logits[:, -1])[0]
+    text = None
+    if "generate" in scores:
+        mask = compressed.attention_mask
+        with torch.no_grad():
+            ids = decode_after(engine, out, mask, mask.sum(-1, keepdim=True), compressed.cache,
+                               question.max_new_tokens)
+        text = tokenizer.decode(ids[0], skip_special_tokens=True)
+    return Asked(text, kept, total, time.perf_counter() - t0, teacher)

@@ -23,26 +23,28 @@ from pathlib import Path
 from typing import Any
 
 from kvgate.eval.config import (
-    CorpusConfig,
     EvalConfig,
-    LongBenchConfig,
     MatchedConfig,
     MCConfig,
-    NeedleConfig,
     PatternConfig,
-    PPLConfig,
     ReportConfig,
-    RulerConfig,
     TaskConfig,
     parse_policies,
 )
-from kvgate.eval.masked import EvalError
+from kvgate.eval.config_long import (
+    CorpusConfig,
+    LongBenchConfig,
+    NeedleConfig,
+    PPLConfig,
+    RulerConfig,
+)
+from kvgate.eval.errors import EvalError
 from kvgate.eval.report import ResultStore, markdown_table, write_outputs
 from kvgate.policies.base import Budget, Policy
 
-__all__ = ["EvalOutput", "load_model", "parse_policies", "run_eval", "run_longbench",
+__all__ = ["EvalOutput", "load_model", "parse_policies", "run_longbench",
            "run_matched", "run_mc", "run_needle", "run_pattern", "run_ppl", "run_report",
-           "run_ruler"]
+           "run_ruler", "run_scored"]
 
 Loaded = tuple[Any, Any, dict[str, Any]]
 Loader = Callable[[EvalConfig], Loaded]
@@ -160,7 +162,8 @@ def write_patterns(model: Any, tokenizer: Any, tasks: dict[str, list[Any]],
                    out: Path, cfg: TaskConfig | None = None) -> list[Path]:
     """Eviction-pattern plots of the first ``samples`` examples of the first task (cut as
     ``cfg``'s ``max_length`` and ``truncate`` say)."""
-    from kvgate.eval.masked import masked_scores, pad_id
+    from kvgate.eval.errors import pad_id
+    from kvgate.eval.masked import masked_scores
     from kvgate.eval.multiple_choice import tokenize_tasks
     from kvgate.eval.report import plot_eviction_pattern
     from kvgate.models.limits import context_limit
@@ -226,17 +229,32 @@ def run_matched(cfg: MatchedConfig, load: Loader | None = None) -> EvalOutput:
     return _finish(store, extra)
 
 
+def run_scored(cfg: EvalConfig, load: Loader | None,
+               score: Callable[[Any, Any, dict[str, Policy], ResultStore], list[str]],
+               ) -> EvalOutput:
+    """What a scoring command does around its scoring: load the model and open the store,
+    ``score(model, tokenizer, policies, store)`` (it returns the result keys), add the paired
+    differences of ``cfg.paired`` when it has one, write results.md and the plots."""
+    model, tokenizer, policies, store = _loaded(cfg, load, cfg.build_policies())
+    keys = score(model, tokenizer, policies, store)
+    paired = getattr(cfg, "paired", None)
+    if paired is not None:
+        from kvgate.eval.paired import add_paired
+
+        add_paired(store, keys, paired)
+    return _finish(store)
+
+
 def run_needle(cfg: NeedleConfig, load: Loader | None = None) -> EvalOutput:
     """Passkey accuracy per (length, depth, policy, budget)."""
     from kvgate.eval.needle import evaluate_needle
 
-    model, tokenizer, policies, store = _loaded(cfg, load, cfg.build_policies())
-    evaluate_needle(model, tokenizer, load_texts(cfg), cfg.lengths, cfg.depths, policies,
-                    cfg.budgets, store, scoring=cfg.scoring, mode=cfg.mode, samples=cfg.samples,
-                    distractors=cfg.distractors, max_new_tokens=cfg.max_new_tokens,
-                    batch_size=cfg.batch_size, seed=cfg.seed, progress=cfg.progress,
-                    query_aware=cfg.query_aware)
-    return _finish(store)
+    return run_scored(cfg, load, lambda model, tokenizer, policies, store: evaluate_needle(
+        model, tokenizer, load_texts(cfg), cfg.lengths, cfg.depths, policies, cfg.budgets,
+        store, scoring=cfg.scoring, mode=cfg.mode, samples=cfg.samples,
+        distractors=cfg.distractors, max_new_tokens=cfg.max_new_tokens,
+        batch_size=cfg.batch_size, seed=cfg.seed, progress=cfg.progress,
+        query_aware=cfg.query_aware, scores=cfg.score))
 
 
 def run_ruler(cfg: RulerConfig, load: Loader | None = None) -> EvalOutput:
@@ -244,12 +262,11 @@ def run_ruler(cfg: RulerConfig, load: Loader | None = None) -> EvalOutput:
     ``query_aware``."""
     from kvgate.eval.ruler.run import evaluate_ruler
 
-    model, tokenizer, policies, store = _loaded(cfg, load, cfg.build_policies())
-    evaluate_ruler(model, tokenizer, cfg.tasks, cfg.lengths, policies, cfg.budgets, store,
-                   depths=cfg.depths, limit=cfg.limit, query_aware=cfg.query_aware,
-                   chat=cfg.chat, seed=cfg.seed, max_new_tokens=cfg.max_new_tokens,
-                   progress=cfg.progress, source=cfg.source)
-    return _finish(store)
+    return run_scored(cfg, load, lambda model, tokenizer, policies, store: evaluate_ruler(
+        model, tokenizer, cfg.tasks, cfg.lengths, policies, cfg.budgets, store,
+        depths=cfg.depths, limit=cfg.limit, query_aware=cfg.query_aware, chat=cfg.chat,
+        seed=cfg.seed, max_new_tokens=cfg.max_new_tokens, progress=cfg.progress,
+        source=cfg.source, scores=cfg.score))
 
 
 def run_longbench(cfg: LongBenchConfig, load: Loader | None = None) -> EvalOutput:
@@ -259,16 +276,15 @@ def run_longbench(cfg: LongBenchConfig, load: Loader | None = None) -> EvalOutpu
     from kvgate.eval.longbench.run import evaluate_longbench, load_examples
 
     examples = load_examples(cfg.tasks, cfg.source, cfg.limit)
-    model, tokenizer, policies, store = _loaded(cfg, load, cfg.build_policies())
-    evaluate_longbench(model, tokenizer, examples, policies, cfg.budgets, store,
-                       max_length=cfg.max_length, query_aware=cfg.query_aware, chat=cfg.chat,
-                       max_new_tokens=cfg.max_new_tokens, progress=cfg.progress)
-    return _finish(store)
+    return run_scored(cfg, load, lambda model, tokenizer, policies, store: evaluate_longbench(
+        model, tokenizer, examples, policies, cfg.budgets, store, max_length=cfg.max_length,
+        query_aware=cfg.query_aware, chat=cfg.chat, max_new_tokens=cfg.max_new_tokens,
+        progress=cfg.progress, scores=cfg.score))
 
 
 def run_ppl(cfg: PPLConfig, load: Loader | None = None) -> EvalOutput:
     """Perplexity under eviction (per text, or over fixed windows with ``context``)."""
-    from kvgate.eval.needle import evaluate_ppl
+    from kvgate.eval.ppl import evaluate_ppl
 
     model, tokenizer, policies, store = _loaded(cfg, load, cfg.build_policies())
     evaluate_ppl(model, tokenizer, load_texts(cfg), policies, cfg.budgets, store, mode=cfg.mode,
@@ -297,18 +313,3 @@ def run_report(cfg: ReportConfig, load: Loader | None = None) -> EvalOutput:
         raise EvalError(f"{out / 'results.json'}: no readable results")
     check_results(out / "results.json", data)
     return _finish(ResultStore(out, data.get("meta", {})))
-
-
-RUNNERS: dict[type, Callable[..., EvalOutput]] = {
-    MCConfig: run_mc, MatchedConfig: run_matched, NeedleConfig: run_needle, PPLConfig: run_ppl,
-    PatternConfig: run_pattern, ReportConfig: run_report, RulerConfig: run_ruler,
-    LongBenchConfig: run_longbench,
-}
-
-
-def run_eval(cfg: Any, load: Loader | None = None) -> EvalOutput:
-    """The command of ``cfg``'s type."""
-    runner = RUNNERS.get(type(cfg))
-    if runner is None:
-        raise EvalError(f"no eval command takes a {type(cfg).__name__}")
-    return runner(cfg, load)

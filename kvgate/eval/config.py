@@ -1,11 +1,13 @@
-"""One typed config per evaluation command (``kvgate eval mc|matched|needle|ppl|ruler|longbench|
-pattern|report``).
+"""One typed config per evaluation command: here ``kvgate eval mc|matched|pattern|report``
+and what they share; needle, ppl, ruler and longbench in :mod:`kvgate.eval.config_long`.
 
 Each dataclass holds exactly the options of its command, named as its flags are
-(``--max-length`` -> ``max_length``, ``--no-progress`` -> ``progress=False``). List options
+(``--max-length`` -> ``max_length``, ``--no-progress`` -> ``progress=False``); each field is
+declared with its flag's help (:func:`kvgate.eval.options.opt`), so the command line is
+written from it and every default lives here once. ``run(load)`` runs the command. List options
 take a comma-separated string, as on the command line, or a sequence, and are stored as lists
 of their type; ``__post_init__`` checks every value before any model loads, and a bad one
-raises :class:`~kvgate.eval.masked.EvalError` with one line that names the flag::
+raises :class:`~kvgate.eval.errors.EvalError` with one line that names the flag::
 
     from kvgate.eval import MCConfig, run_mc
     run_mc(MCConfig(out="out/x", model="smollm2-135m", tasks="rte,copa",
@@ -23,15 +25,16 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
-from kvgate.eval.masked import EvalError
+from kvgate.eval.errors import EvalError
+from kvgate.eval.options import opt
 from kvgate.files import check_output_dir
-from kvgate.models.arch import parse_dtype
-from kvgate.models.load import check_device
-from kvgate.policies.base import Budget, Policy, PolicyError
+
+if TYPE_CHECKING:  # the configs are read to build the flags: they import no torch until run
+    from kvgate.eval.commands import EvalOutput, Loader
+    from kvgate.policies.base import Budget, Policy
 
 MODES = ("masked", "cache")
 
@@ -46,6 +49,8 @@ def _items(value: str | Sequence[Any]) -> list[str]:
 
 def _flagged(flag: str, fn, *args, **kwargs):
     """``fn(...)`` with a policy/budget refusal turned into an EvalError naming ``flag``."""
+    from kvgate.policies.base import PolicyError
+
     try:
         return fn(*args, **kwargs)
     except PolicyError as exc:
@@ -54,6 +59,8 @@ def _flagged(flag: str, fn, *args, **kwargs):
 
 def parse_budgets(raw: str | Sequence[Any]) -> list[Budget]:
     """``"0.5,128"`` (or ``[0.5, 128]``) -> kept ratios / token counts."""
+    from kvgate.policies.base import Budget
+
     values = _items(raw) if isinstance(raw, str) else list(raw)
     if not values:
         raise EvalError("--budgets: give at least one budget")
@@ -137,29 +144,39 @@ def _one_of(value: str, flag: str, choices: Sequence[str]) -> None:
 
 @dataclass
 class ReportConfig:
-    """``kvgate eval report``: rewrite results.md and the plots of ``out`` from results.json."""
+    """Rewrite results.md and the plots of ``out`` from results.json (no model)."""
 
-    out: str
+    out: str = opt(help="the folder of a results.json")
 
     def __post_init__(self) -> None:
         if not str(self.out).strip():
             raise EvalError("--out: give the folder of a results.json")
         check_output_dir(self.out, "--out")
 
+    def run(self, load: Loader | None = None) -> EvalOutput:
+        from kvgate.eval.commands import run_report
+
+        return run_report(self, load)
+
 
 @dataclass
 class EvalConfig:
     """What every scoring command shares: the model, the output folder, the policies."""
 
-    out: str
-    model: str | None = None            # --model: alias, folder, .gguf or hub id
-    checkpoint: str | None = None       # --checkpoint: an exported gated checkpoint folder
-    policies: str | list[str] = "full,snapkv,h2o"
-    policy_opt: list[str] = field(default_factory=list)
-    batch_size: int = 8
-    dtype: str = "float32"
-    device: str = "cpu"
-    progress: bool = True               # --no-progress: progress=False
+    out: str = opt(help="output folder (results.json, .md, .png)")
+    model: str | None = opt(None, "base model: alias (smollm2-135m), folder, .gguf, hub id",
+                            group="model")
+    checkpoint: str | None = opt(None, "exported gated checkpoint folder", group="model")
+    policies: str | list[str] = opt("full,snapkv,h2o",
+                                    "comma-separated policy names (LABEL=NAME runs a policy "
+                                    "under a second label), or 'all'")
+    policy_opt: list[str] = opt(factory=list, help="a policy option, NAME.KEY=VALUE (VALUE "
+                                "parsed as JSON when it can be); repeatable",
+                                action="append", metavar="NAME.KEY=VALUE")
+    batch_size: int = opt(8, "examples per forward")
+    dtype: str = opt("float32", "model weights' dtype")
+    device: str = opt("cpu", "torch device")
+    progress: bool = opt(True, "no progress bars")
 
     def __post_init__(self) -> None:
         if not str(self.out).strip():
@@ -168,6 +185,9 @@ class EvalConfig:
         if (self.model is None) == (self.checkpoint is None):
             raise EvalError("give one of --model or --checkpoint")
         _at_least(self.batch_size, "--batch-size")
+        from kvgate.models.arch import parse_dtype
+        from kvgate.models.load import check_device
+
         parse_dtype(self.dtype)
         check_device(self.device)  # a device this machine lacks: one line, before loading
         self.policies = _items(self.policies)
@@ -176,6 +196,8 @@ class EvalConfig:
 
     def settings(self) -> dict[str, Any]:
         """What changes this command's scores besides the key and the policy spec."""
+        from kvgate.models.arch import parse_dtype
+
         return {"dtype": str(parse_dtype(self.dtype)).removeprefix("torch.")}
 
     @property
@@ -192,16 +214,22 @@ class EvalConfig:
 class TaskConfig(EvalConfig):
     """Scoring commands over multiple-choice tasks."""
 
-    tasks: str | list[str] = "rte,copa"
-    limit: int | None = None            # first N examples of each task
-    split: str = "validation"           # or sft_test / sft_train (kvgate.data.load_sft_split)
-    max_length: int | None = None       # cut contexts from the left to this many tokens
-    num_fewshot: int = 0                # solved examples before each context (TASK@Kshot)
-    fewshot_split: str | None = None    # where demonstrations come from (default: split)
-    fewshot_seed: int = 0
-    mode: str = "masked"
-    patterns: int = 3                   # eviction-pattern plots of the learned gate
-    truncate: bool = False              # cut contexts longer than the model's (else refused)
+    tasks: str | list[str] = opt("rte,copa", "comma-separated task names")
+    limit: int | None = opt(None, "first N examples of each task")
+    split: str = opt("validation", "dataset split, or sft_test / sft_train: the held-out / "
+                     "training part of the deterministic SFT cut (kvgate.data.load_sft_split)")
+    max_length: int | None = opt(None, "cut contexts from the left to fit this many tokens")
+    num_fewshot: int = opt(0, "solved examples before each context (kvgate.data.fewshot); "
+                           "results are stored under TASK@Kshot", metavar="K")
+    fewshot_split: str | None = opt(None, "split the demonstrations come from (default: "
+                                    "--split; the example itself is never drawn)")
+    fewshot_seed: int = opt(0, "seed of the demonstrations' draw")
+    mode: str = opt("masked", "keep decisions as attention masks in one forward, or a real "
+                    "compressed cache", choices=MODES)
+    patterns: int = opt(3, "eviction-pattern plots of the first N examples for the learned "
+                        "gate (0 = none)")
+    truncate: bool = opt(False, "cut a context longer than the model's from the start (a "
+                         "warning lists what was dropped) instead of refusing it")
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -223,24 +251,37 @@ class TaskConfig(EvalConfig):
 
 @dataclass
 class MCConfig(TaskConfig):
-    """``kvgate eval mc``: multiple choice at fixed budgets."""
+    """Multiple choice at fixed budgets."""
 
-    budgets: str | list[Budget] = "0.5"
+    budgets: str | list[Budget] = opt("0.5", "comma-separated budgets: kept ratios or token "
+                                      "counts")
 
     def __post_init__(self) -> None:
         super().__post_init__()
         self.budgets = parse_budgets(self.budgets)
 
+    def run(self, load: Loader | None = None) -> EvalOutput:
+        from kvgate.eval.commands import run_mc
+
+        return run_mc(self, load)
+
 
 @dataclass
 class MatchedConfig(TaskConfig):
-    """``kvgate eval matched``: the other policies at the reference's per-example eviction."""
+    """Heuristics at the learned gate's per-example eviction ratio."""
 
-    policies: str | list[str] = "snapkv,h2o"
-    reference: str = "attention_gate"   # LABEL=POLICY takes --policy-opt LABEL.KEY=VALUE
-    reference_budget: str | float | Budget = "0.5"  # of a heuristic reference
-    rounding: str = "up"                # each example's kept count: "up" or "nearest"
-    others_on: str = "checkpoint"       # or "base": the checkpoint's base, LoRA adapter off
+    policies: str | list[str] = opt("snapkv,h2o", "comma-separated policy names, or 'all'")
+    reference: str = opt("attention_gate", "policy whose per-example eviction the others "
+                         "match; LABEL=POLICY takes --policy-opt LABEL.KEY=VALUE options")
+    reference_budget: str | float | Budget = opt("0.5", "budget of a heuristic reference "
+                                                 "(attention_gate and full ignore it)")
+    rounding: str = opt("up", "each example's kept count per head from the reference's "
+                        "eviction: rounded up (the others evict a little less), or to the "
+                        "nearest token (the same eviction on average; budget label "
+                        "matched~...)", choices=("up", "nearest"))
+    others_on: str = opt("checkpoint", "what the other policies run on: the checkpoint's "
+                         "model, or its frozen base with the LoRA adapter off (the "
+                         "reference keeps it)", choices=("checkpoint", "base"))
 
     def __post_init__(self) -> None:
         _one_of(self.rounding, "--rounding", ("up", "nearest"))
@@ -248,6 +289,8 @@ class MatchedConfig(TaskConfig):
         if self.others_on == "base" and self.checkpoint is None:
             raise EvalError("--others-on base needs --checkpoint (a base model has no adapter "
                             "to switch off)")
+        from kvgate.policies.base import Budget
+
         self.reference_budget = _flagged("--reference-budget", Budget.parse,
                                          self.reference_budget)
         self.build_reference()  # the reference and its options are checked first
@@ -268,180 +311,26 @@ class MatchedConfig(TaskConfig):
     def build_policies(self) -> dict[str, Policy]:
         return parse_policies(self.policies, self._split_options()[1])
 
+    def run(self, load: Loader | None = None) -> EvalOutput:
+        from kvgate.eval.commands import run_matched
+
+        return run_matched(self, load)
+
 
 @dataclass
 class PatternConfig(TaskConfig):
-    """``kvgate eval pattern``: plot which entries a policy keeps (first budget)."""
+    """Plot which entries a policy keeps (at the first budget)."""
 
-    policies: str | list[str] = "attention_gate"
-    budgets: str | list[Budget] = "0.5"
-    samples: int = 3
+    policies: str | list[str] = opt("attention_gate", "comma-separated policy names")
+    budgets: str | list[Budget] = opt("0.5", "comma-separated budgets (the first is drawn)")
+    samples: int = opt(3, "examples to draw")
 
     def __post_init__(self) -> None:
         super().__post_init__()
         self.budgets = parse_budgets(self.budgets)
         _at_least(self.samples, "--samples")
 
+    def run(self, load: Loader | None = None) -> EvalOutput:
+        from kvgate.eval.commands import run_pattern
 
-@dataclass
-class CorpusConfig(EvalConfig):
-    """Scoring commands over corpus texts."""
-
-    budgets: str | list[Budget] = "0.5"
-    docs: int = 50                      # the last N documents of the seeded corpus order
-    text_files: list[str] | None = None  # .txt/.jsonl files instead of the embedded corpus
-    seed: int = 0
-    mode: str = "masked"
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        self.budgets = parse_budgets(self.budgets)
-        _at_least(self.docs, "--docs")
-        _one_of(self.mode, "--mode", MODES)
-        if self.text_files:  # a missing, malformed or non-UTF-8 file: one line before loading
-            from kvgate.data import load_text_files
-
-            load_text_files(self.text_files)
-
-    def settings(self) -> dict[str, Any]:
-        if self.text_files:
-            texts: dict[str, Any] = {"text_files": [str(Path(f).resolve())
-                                                    for f in self.text_files]}
-        else:
-            texts = {"text_files": None, "docs": self.docs, "seed": self.seed}
-        return {**super().settings(), **texts}
-
-
-@dataclass
-class NeedleConfig(CorpusConfig):
-    """``kvgate eval needle``: passkey retrieval by context length and depth."""
-
-    lengths: str | list[int] = "1024,2048"
-    depths: str | list[float] = "0,25,50,75,100"
-    samples: int = 5                    # prompts per (length, depth)
-    scoring: str = "rank"               # or "generate" (always over the compressed cache)
-    distractors: int = 9
-    max_new_tokens: int = 8
-    query_aware: bool = False           # the question inside the compressed prompt (the old way)
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        _at_least(self.samples, "--samples")
-        _at_least(self.max_new_tokens, "--max-new-tokens")
-        _at_least(self.distractors, "--distractors", 0)
-        _one_of(self.scoring, "--scoring", ("rank", "generate"))
-        self.lengths = parse_numbers(self.lengths, "lengths", int)
-        self.depths = parse_numbers(self.depths, "depths", float)
-
-    def settings(self) -> dict[str, Any]:
-        scorer = ({"distractors": self.distractors} if self.scoring == "rank"
-                  else {"max_new_tokens": self.max_new_tokens})
-        # the seed also draws the keys and the filler offsets; the sample count the offsets
-        return {**super().settings(), "seed": self.seed, "samples": self.samples, **scorer,
-                "query_aware": bool(self.query_aware)}
-
-
-@dataclass
-class PPLConfig(CorpusConfig):
-    """``kvgate eval ppl``: perplexity of each text's rest given its compressed start."""
-
-    max_length: int = 512
-    prefix: float = 0.5                 # share of each text compressed
-    context: int | None = None          # fixed context: windows of the joined texts
-    continuation: int | None = None     # scored tokens per window (default: context)
-    windows: int | None = None          # windows to score (default: all)
-    truncate: bool = False              # cut texts longer than the model's context
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        _at_least(self.max_length, "--max-length")
-        if not 0.0 < self.prefix < 1.0:
-            raise EvalError(f"--prefix must lie in (0, 1), got {self.prefix}")
-        _at_least(self.context, "--context")
-        _at_least(self.continuation, "--continuation")
-        _at_least(self.windows, "--windows")
-
-    def settings(self) -> dict[str, Any]:
-        if self.context is not None:  # window sizes are in the key; --windows only selects
-            return super().settings()
-        return {**super().settings(), "max_length": self.max_length, "prefix": self.prefix,
-                "truncate": bool(self.truncate)}
-
-
-@dataclass
-class RulerConfig(EvalConfig):
-    """``kvgate eval ruler``: RULER-style task families, question asked after compression."""
-
-    tasks: str | list[str] = "all"      # or a comma list of kvgate.eval.ruler.TASKS
-    lengths: str | list[int] = "1024,2048,4096"  # context tokens
-    depths: str | list[float] = "0,25,50,75,100"  # % of the haystack, needle families
-    limit: int = 5                      # examples per (task, length)
-    budgets: str | list[Budget] = "0.5"
-    query_aware: bool = False           # the question inside the compressed prompt
-    chat: bool = True                   # --no-chat: plain prompts on a model with a template
-    seed: int = 0
-    max_new_tokens: int | None = None   # caps RULER's tokens to generate per family
-    source: str = "generated"           # or "hub" (kvpress's RULER) or a save_to_disk folder
-
-    def __post_init__(self) -> None:
-        from kvgate.eval.ruler.tasks import TASKS
-
-        super().__post_init__()
-        self.tasks = list(TASKS) if _items(self.tasks) == ["all"] else _items(self.tasks)
-        if not self.tasks:
-            raise EvalError("--tasks: give at least one task, or all")
-        for t in self.tasks:
-            if t not in TASKS:
-                raise EvalError(f"--tasks: unknown RULER task {t!r}; known: {', '.join(TASKS)}")
-        self.budgets = parse_budgets(self.budgets)
-        self.lengths = parse_numbers(self.lengths, "lengths", int)
-        self.depths = parse_numbers(self.depths, "depths", float)
-        for n in self.lengths:
-            _at_least(n, "--lengths", 16)
-        for d in self.depths:
-            if not 0.0 <= d <= 100.0:
-                raise EvalError(f"--depths must lie in [0, 100] %, got {d:g}")
-        _at_least(self.limit, "--limit")
-        _at_least(self.max_new_tokens, "--max-new-tokens")
-
-    def settings(self) -> dict[str, Any]:
-        # --limit only selects (example s is the same at any limit); the mode is in the key
-        return {**super().settings(), "seed": self.seed, "depths": self.depths,
-                "chat": bool(self.chat), "max_new_tokens": self.max_new_tokens,
-                "query_aware": bool(self.query_aware), "source": self.source}
-
-
-@dataclass
-class LongBenchConfig(EvalConfig):
-    """``kvgate eval longbench``: LongBench (Bai et al., arXiv:2308.14508) with its metrics,
-    question asked after compression."""
-
-    tasks: str | list[str] = "en"       # task names and groups: en, zh, e (LongBench-E), all
-    source: str = "hub"                 # kvpress's Xnhyacinth/LongBench, or a save_to_disk folder
-    limit: int | None = None            # first N examples of each task (default all)
-    budgets: str | list[Budget] = "0.5"
-    max_length: int | None = None       # cut longer contexts in the middle to N tokens
-    query_aware: bool = False           # the question inside the compressed prompt
-    chat: bool = True                   # --no-chat: plain prompts on a model with a template
-    max_new_tokens: int | None = None   # caps LongBench's tokens to generate per task
-
-    def __post_init__(self) -> None:
-        from kvgate.eval.longbench.scoring import LongBenchError, task_names
-
-        super().__post_init__()
-        try:
-            self.tasks = task_names(_items(self.tasks))
-        except LongBenchError as exc:
-            raise EvalError(f"--tasks: {exc}") from None
-        if not str(self.source).strip():
-            raise EvalError("--source: give hub or a save_to_disk folder")
-        self.budgets = parse_budgets(self.budgets)
-        _at_least(self.limit, "--limit")
-        _at_least(self.max_length, "--max-length", 2)
-        _at_least(self.max_new_tokens, "--max-new-tokens")
-
-    def settings(self) -> dict[str, Any]:
-        # --limit only selects (the first N of each task); the mode is in the key
-        return {**super().settings(), "source": self.source, "max_length": self.max_length,
-                "chat": bool(self.chat), "max_new_tokens": self.max_new_tokens,
-                "query_aware": bool(self.query_aware)}
+        return run_pattern(self, load)

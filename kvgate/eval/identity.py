@@ -45,7 +45,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from kvgate.eval.masked import EvalError, ScoringItem
+from kvgate.eval.errors import EvalError
+from kvgate.eval.masked import ScoringItem
 
 # each kind's settings in records that predate stored settings: the defaults of the time
 LEGACY: dict[str, dict[str, Any]] = {

@@ -36,15 +36,11 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from kvgate.attention.decode import KVPart, multipart_attention
 from kvgate.cache.handler import HandlerCache
 from kvgate.cache.prefill import eq5_attention
-from kvgate.errors import KVGateError
+from kvgate.eval.errors import EvalError, model_device, model_shape
 from kvgate.models import dispatch
 from kvgate.models.dispatch import ForwardContext
 from kvgate.policies.base import Budget, LayerPrompt, Policy, PolicyError
 from kvgate.policies.contract import prefill_band
-
-
-class EvalError(KVGateError, ValueError):
-    """Bad evaluation input (items, modes, budgets, files); the message says which."""
 
 
 @dataclass(frozen=True)
@@ -87,28 +83,6 @@ class ItemScore:
     def evict(self) -> float:
         """Evicted share of the context's (layer, KV head, token) entries."""
         return 1.0 - self.kept / max(self.total, 1)
-
-
-def model_shape(model: nn.Module) -> tuple[int, int]:
-    """(decoder layers, KV heads) of a LLaMA/Mistral model (peft-wrapped or not)."""
-    cfg = model.config
-    getter = getattr(cfg, "get_text_config", None)
-    cfg = getter(decoder=True) if getter is not None else cfg
-    heads = int(cfg.num_attention_heads)
-    return int(cfg.num_hidden_layers), int(getattr(cfg, "num_key_value_heads", None) or heads)
-
-
-def model_device(model: nn.Module) -> torch.device:
-    return next(model.parameters()).device
-
-
-def pad_id(tokenizer: Any) -> int:
-    """A token id to put at padding (never attended, never scored)."""
-    for name in ("pad_token_id", "eos_token_id", "bos_token_id"):
-        value = getattr(tokenizer, name, None)
-        if isinstance(value, int):
-            return value
-    return 0
 
 
 # ---------------------------------------------------------------------------------------------

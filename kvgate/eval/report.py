@@ -35,8 +35,9 @@ from pathlib import Path
 from typing import Any
 
 from kvgate.data.cache import read_json, write_json_atomic
+from kvgate.eval.errors import EvalError
 from kvgate.eval.identity import check_settings, normal
-from kvgate.eval.masked import EvalError
+from kvgate.eval.plots import depth_heatmap, draw_series, pyplot, save_figure
 from kvgate.eval.shape import check_results
 from kvgate.policies.base import Budget
 
@@ -240,22 +241,13 @@ def write_table(store: ResultStore) -> Path:
 # plots (matplotlib, Agg backend: no display needed)
 
 
-def _pyplot():
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
 def plot_accuracy_vs_eviction(results: Sequence[dict[str, Any]], path: str | Path) -> Path | None:
     """Accuracy against %Evict, one panel per task (plus the task mean), one series per
     policy (points joined in eviction order). None when there is nothing to plot."""
     mc = [r for r in results if r.get("kind") == "mc" and r.get("acc") is not None]
     if not mc:
         return None
-    plt = _pyplot()
+    plt = pyplot()
     tasks = sorted({r["task"] for r in mc})
     panels = tasks + (["mean"] if len(tasks) > 1 else [])
     fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.6), squeeze=False)
@@ -269,8 +261,8 @@ def plot_accuracy_vs_eviction(results: Sequence[dict[str, Any]], path: str | Pat
                     for (p, _, _), g in groups.items() if len(g) == len(tasks)]
         else:
             rows = [r for r in mc if r["task"] == task]
-        _draw_series(ax, rows, "acc", task, "accuracy %")
-    return _save(plt, fig, axes, path)
+        draw_series(ax, rows, "acc", task, "accuracy %")
+    return save_figure(plt, fig, axes, path)
 
 
 def plot_ppl_vs_eviction(results: Sequence[dict[str, Any]], path: str | Path) -> Path | None:
@@ -280,54 +272,16 @@ def plot_ppl_vs_eviction(results: Sequence[dict[str, Any]], path: str | Path) ->
     ppl = [r for r in results if r.get("kind") == "ppl" and r.get("ppl") is not None]
     if not ppl:
         return None
-    plt = _pyplot()
+    plt = pyplot()
     tasks = sorted({r["task"] for r in ppl})
     fig, axes = plt.subplots(1, len(tasks), figsize=(5.5 * len(tasks), 4.2), squeeze=False)
     for ax, task in zip(axes[0], tasks):
         rows = [r for r in ppl if r["task"] == task]
-        _draw_series(ax, rows, "ppl", task, "perplexity")
+        draw_series(ax, rows, "ppl", task, "perplexity")
         values = [r["ppl"] for r in rows]
         if max(values) > 3 * min(values):  # a log axis only where one is needed to see both ends
             ax.set_yscale("log")
-    return _save(plt, fig, axes, path)
-
-
-def _draw_series(ax: Any, rows: Sequence[dict[str, Any]], metric: str, title: str,
-                 ylabel: str) -> None:
-    policies = sorted({r["policy"] for r in rows})
-    if len(policies) > 10:  # the default cycle has 10 colours: past it two curves would share one
-        from matplotlib import colormaps
-
-        # paired shades, and past 20 curves a second set of 20
-        ax.set_prop_cycle(color=colormaps["tab20"].colors + colormaps["tab20b"].colors)
-    for policy in policies:
-        pts = sorted((r["evict_pct"], r[metric]) for r in rows if r["policy"] == policy)
-        if policy == "full":  # the no-eviction reference: a line, so 0% does not set the range
-            ax.axhline(pts[0][1], color="black", linestyle="--", linewidth=0.8, label=policy)
-        else:
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=policy)
-    ax.set_title(title)
-    ax.set_xlabel("%Evict")
-    ax.set_ylabel(ylabel)
-    ax.grid(alpha=0.3)
-
-
-LONG_LEGEND = 8  # more series than this and the legend goes beside the plot, not over it
-
-
-def _save(plt: Any, fig: Any, axes: Any, path: str | Path) -> Path:
-    ax = axes[0][-1]
-    if len(ax.get_legend_handles_labels()[1]) > LONG_LEGEND:
-        width, height = fig.get_size_inches()
-        fig.set_size_inches(width + 3.0, height)  # room for the legend, the panels keep theirs
-        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.02, 1.0))
-    else:
-        ax.legend(fontsize=7, loc="best")
-    fig.tight_layout()
-    path = Path(path)
-    fig.savefig(path, dpi=120, bbox_inches="tight")
-    plt.close(fig)
-    return path
+    return save_figure(plt, fig, axes, path)
 
 
 def plot_needle_heatmaps(results: Sequence[dict[str, Any]], out_dir: str | Path) -> list[Path]:
@@ -351,24 +305,6 @@ def plot_needle_heatmaps(results: Sequence[dict[str, Any]], out_dir: str | Path)
     return paths
 
 
-def depth_heatmap(grid: list[list[float]], lengths: list[int], depths: list[float], title: str,
-                  label: str, path: Path) -> Path:
-    """A context length x needle depth heatmap of 0-100 scores (NaN: not run), saved to path."""
-    plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(1.0 + 0.7 * len(depths), 1.2 + 0.5 * len(lengths)))
-    im = ax.imshow(grid, vmin=0, vmax=100, cmap="RdYlGn", aspect="auto", origin="lower")
-    ax.set_xticks(range(len(depths)), [f"{d:g}" for d in depths])
-    ax.set_yticks(range(len(lengths)), [str(n) for n in lengths])
-    ax.set_xlabel("needle depth %")
-    ax.set_ylabel("context tokens")
-    ax.set_title(title, fontsize=9)
-    fig.colorbar(im, ax=ax, label=label)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
-
-
 def plot_eviction_pattern(keep: Any, path: str | Path, title: str = "",
                           tokens: Sequence[str] | None = None) -> Path:
     """Which (layer, token) entries a policy kept, one panel per KV head (like Figure 1 of
@@ -378,7 +314,7 @@ def plot_eviction_pattern(keep: Any, path: str | Path, title: str = "",
     keep = np.asarray(keep.cpu() if hasattr(keep, "cpu") else keep, dtype=float)
     if keep.ndim != 3:
         raise EvalError(f"eviction pattern must be [layers, kv_heads, tokens], got {keep.shape}")
-    plt = _pyplot()
+    plt = pyplot()
     layers, heads, n = keep.shape
     fig, axes = plt.subplots(heads, 1, figsize=(min(18, 2 + 0.12 * n), 0.6 + 0.25 * layers * heads
                                                  + 0.4 * heads), squeeze=False)

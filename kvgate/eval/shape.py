@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from kvgate.eval.masked import EvalError
+from kvgate.eval.errors import EvalError
 
 KEY_PARTS = 5  # kind|task|policy|budget|mode (kvgate.eval.report.make_key)
 

@@ -138,6 +138,15 @@ def run_passes(model: Any, tokenizer: Any, cache: CompressedCache, ids: Tensor, 
     choose_all(cache)
 
 
+def _pad(tokenizer: Any) -> int:
+    """The id padding is written with (never attended): the pad token, else EOS, else 0."""
+    for name in ("pad_token_id", "eos_token_id"):
+        value = getattr(tokenizer, name, None)
+        if isinstance(value, int):
+            return value
+    return 0
+
+
 def _tokenizer_ready(tokenizer: Any) -> None:
     if getattr(tokenizer, "pad_token", None) is None:
         tokenizer.pad_token = tokenizer.eos_token
@@ -174,7 +183,19 @@ def compress_shared(engine: Any, contexts: str | list[str],
     ``answer`` like one. Also returns each variant's own seconds inside the shared prefill.
     ``compress_ms`` of every result is the shared prefill's."""
     shared = SharedPrefill(engine.model, variants)
-    lead = _prefill_contexts(engine, contexts, chat, shared)
+    return _split_shared(_prefill_contexts(engine, contexts, chat, shared), shared)
+
+
+def compress_rows_shared(engine: Any, rows: list[list[int]],
+                         variants: Mapping[str, tuple[Policy, Budget | float | str]],
+                         ) -> tuple[dict[str, CompressedContext], dict[str, float]]:
+    """:func:`compress_shared` of contexts already tokenised (``prefill_rows``)."""
+    shared = SharedPrefill(engine.model, variants)
+    return _split_shared(prefill_rows(engine, rows, shared)[0], shared)
+
+
+def _split_shared(lead: CompressedContext, shared: SharedPrefill,
+                  ) -> tuple[dict[str, CompressedContext], dict[str, float]]:
     out = {name: CompressedContext(cache, lead.input_ids, lead.attention_mask, lead.chat,
                                    lead.suffix, lead.contexts, cache.kept_fraction(),
                                    cache.kept_fractions(), cache.bytes_held(), cache.full_bytes(),
@@ -201,18 +222,29 @@ def _prefill_contexts(engine: Any, contexts: str | list[str], chat: bool,
                           getattr(engine, "truncate", False), what="context",
                           reserved="tokens for the question and its answer" if reserve > 1
                           else "new tokens")
-    ids, mask = left_pad(rows, tok.pad_token_id)
+    return prefill_rows(engine, rows, cache, chat, tail, contexts)[0]
+
+
+@torch.no_grad()
+def prefill_rows(engine: Any, rows: list[list[int]], cache: CompressedCache, chat: bool = False,
+                 suffix: str = "", contexts: list[str] | None = None,
+                 ) -> tuple[CompressedContext, Any]:
+    """Prefill token ``rows`` (left padded) into ``cache``: the compressed context and the
+    forward's output (its last logits predict each row's next token)."""
+    ids, mask = left_pad(rows, _pad(engine.tokenizer))
     device = engine.device
     ids, mask = ids.to(device), mask.to(device)
     sync_device(device)
     t0 = time.perf_counter()
-    engine.model(input_ids=ids, attention_mask=mask, position_ids=left_padded_positions(mask),
-                 past_key_values=cache, use_cache=True, logits_to_keep=1)
-    run_passes(engine.model, tok, cache, ids, mask, chat)
+    out = engine.model(input_ids=ids, attention_mask=mask,
+                       position_ids=left_padded_positions(mask), past_key_values=cache,
+                       use_cache=True, logits_to_keep=1)
+    run_passes(engine.model, engine.tokenizer, cache, ids, mask, chat)
     sync_device(device)
     ms = 1000.0 * (time.perf_counter() - t0)
-    return CompressedContext(cache, ids, mask, chat, tail, contexts, cache.kept_fraction(),
-                             cache.kept_fractions(), cache.bytes_held(), cache.full_bytes(), ms)
+    return CompressedContext(cache, ids, mask, chat, suffix, list(contexts or []),
+                             cache.kept_fraction(), cache.kept_fractions(), cache.bytes_held(),
+                             cache.full_bytes(), ms), out
 
 
 def answer(engine: Any, compressed: CompressedContext, questions: list[str],
@@ -264,11 +296,19 @@ def _answer_round(engine: Any, compressed: CompressedContext, questions: list[st
     """Each context's question, then greedy decoding, on one fork: token ids per context."""
     tok = engine.tokenizer
     _tokenizer_ready(tok)
-    device = engine.device
     parts = [_question_text(compressed, q, answer_prefix) for q in questions]
     rows = [tok(p, add_special_tokens=False)["input_ids"] for p in parts]
     _check_fits(engine, compressed, rows, max_new_tokens)
-    q_ids, q_mask = left_pad(rows, tok.pad_token_id)
+    return answer_rows(engine, compressed, rows, max_new_tokens)
+
+
+@torch.no_grad()
+def answer_rows(engine: Any, compressed: CompressedContext, rows: list[list[int]],
+                max_new_tokens: int) -> list[list[int]]:
+    """Question token ``rows`` (one per context, non-empty) fed over a fork of the cache,
+    then greedy decoding: the token ids per context, up to and with EOS."""
+    device = engine.device
+    q_ids, q_mask = left_pad(rows, _pad(engine.tokenizer))
     q_ids, q_mask = q_ids.to(device), q_mask.to(device)
     start = compressed.attention_mask.sum(-1)  # [B] real context tokens: the next position
     positions = (start[:, None] + q_mask.cumsum(-1) - 1).clamp(min=0)
@@ -277,10 +317,16 @@ def _answer_round(engine: Any, compressed: CompressedContext, questions: list[st
     grow_capacity(cache, q_mask.sum(-1))  # the question adds to the context; evicts nothing
     out = engine.model(input_ids=q_ids, attention_mask=mask, position_ids=positions,
                        past_key_values=cache, use_cache=True, logits_to_keep=1)
-    eos = getattr(tok, "eos_token_id", None)
-    pad = tok.pad_token_id if tok.pad_token_id is not None else eos
-    generated, _ = decode(engine.model, out, mask, positions[:, -1:] + 1, cache,
-                          max_new_tokens, eos, pad, graphs=engine.graphs)
+    return decode_after(engine, out, mask, positions[:, -1:] + 1, cache, max_new_tokens)
+
+
+def decode_after(engine: Any, out: Any, mask: Tensor, next_pos: Tensor, cache: Any,
+                 max_new_tokens: int) -> list[list[int]]:
+    """Greedy decoding after a forward whose output is ``out`` (``kvgate.inference.decode``),
+    each row cut after its EOS."""
+    eos = getattr(engine.tokenizer, "eos_token_id", None)
+    generated, _ = decode(engine.model, out, mask, next_pos, cache, max_new_tokens, eos,
+                          _pad(engine.tokenizer), graphs=engine.graphs)
     return [until_eos(row, eos) for row in generated]
 
 

@@ -212,7 +212,7 @@ def test_one_policy_under_two_labels_with_different_options():
     assert list(policies) == ["snapkv", "snap10"]
     assert policies["snapkv"].window == 32 and policies["snap10"].window == 0.1
     assert policies["snap10"].name == "snapkv"
-    from kvgate.eval.masked import EvalError
+    from kvgate.eval.errors import EvalError
 
     with pytest.raises(EvalError, match="repeats a label"):
         cli.parse_policies("snapkv,snapkv=h2o", [])

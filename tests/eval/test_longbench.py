@@ -14,8 +14,8 @@ from conftest import build, tiny_llama_config
 from eval_fakes import cli, results
 
 import kvgate.eval.commands
-import kvgate.eval.longbench.run as lb_run
 from kvgate.data.longctx import LongExample
+from kvgate.eval import runner
 from kvgate.eval.longbench.run import as_asked, build_items
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "inference"))
@@ -93,9 +93,9 @@ def test_longbench_end_to_end_resume_and_refusals(capsys, loads, source, tmp_pat
 
     # no --limit: only the second example of each key is scored
     scored = []
-    real = lb_run.score_agnostic
-    monkeypatch.setattr(lb_run, "score_agnostic",
-                        lambda *a, **k: scored.append(a[2].uid) or real(*a, **k))
+    real = runner.record
+    monkeypatch.setattr(runner, "record",
+                        lambda bench, it, asked: scored.append(it.uid) or real(bench, it, asked))
     code, _, err = cli(capsys, *run)
     assert code == 0, err
     assert sorted(scored) == ["longbench:hotpotqa:hotpotqa1"] * 2 + \
@@ -128,11 +128,12 @@ def test_longbench_end_to_end_resume_and_refusals(capsys, loads, source, tmp_pat
     def refuse(*a, **k):
         raise AssertionError("a stored example was scored again")
 
-    monkeypatch.setattr(lb_run, "score_agnostic", refuse)
+    monkeypatch.setattr(runner, "record", refuse)
     before = (out / "results.json").read_text()
     code, _, err = cli(capsys, *run)
     assert code == 0, err
     assert results(out) == json.loads(before)["results"]
+    monkeypatch.setattr(runner, "record", real)
 
     # a changed score-changing setting is refused in one line, nothing written
     code, _, err = cli(capsys, *run, "--max-length", "100")
@@ -187,8 +188,9 @@ def test_items_fill_an_empty_question_and_skip_the_template_where_longbench_does
     bare = as_asked(LongExample("c", " ", "", ["x"], "vcsum", "v0"), "c")
     assert bare.question == "Answer:"
     [item] = build_items(tok, "gov_report", [ex], max_new_cap=8)
-    assert item.max_new_tokens == 8 and item.n_ctx == len(tok("ctx")["input_ids"])
-    assert build_items(tok, "trec", [ex])[0].chat is False
-    assert build_items(tok, "gov_report", [ex])[0].max_new_tokens == 512
+    assert item.question.max_new_tokens == 8
+    assert item.fields["n_ctx"] == len(tok("ctx")["input_ids"])
+    assert build_items(tok, "trec", [ex])[0].meta["chat"] is False
+    assert build_items(tok, "gov_report", [ex])[0].question.max_new_tokens == 512
     twice = build_items(tok, "gov_report", [ex, ex])
     assert [it.uid for it in twice] == ["g0", "g0#1"]

@@ -7,7 +7,8 @@ import pytest
 import torch
 from eval_fakes import direct_loglik, random_items
 
-from kvgate.eval.masked import EvalError, ScoringItem, keep_for_rows, masked_scores
+from kvgate.eval.errors import EvalError
+from kvgate.eval.masked import ScoringItem, keep_for_rows, masked_scores
 from kvgate.eval.multiple_choice import cache_scores
 from kvgate.gate import GateConfig, patch, prompt_segment
 from kvgate.policies import Budget, get_policy

@@ -7,11 +7,10 @@ import torch
 from eval_fakes import CharTokenizer, CountingFull, RecordingSnapKV, direct_loglik
 
 from kvgate.data.tasks import MCExample
-from kvgate.eval.masked import EvalError
+from kvgate.eval.errors import EvalError
 from kvgate.eval.multiple_choice import (
     evaluate_matched,
     evaluate_mc,
-    evict_summary,
     mc_item,
     mc_summary,
     run_items,
@@ -19,6 +18,7 @@ from kvgate.eval.multiple_choice import (
     tokenize_tasks,
 )
 from kvgate.eval.report import ResultStore, make_key
+from kvgate.eval.resumable import evict_summary
 from kvgate.gate import GateConfig, patch
 from kvgate.policies import Budget, PolicyError, get_policy
 

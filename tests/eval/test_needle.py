@@ -8,21 +8,19 @@ import torch
 from conftest import build, tiny_llama_config
 from eval_fakes import CharTokenizer
 
-from kvgate.eval.masked import EvalError
+from kvgate.eval.asked import Question, ask_query_aware
+from kvgate.eval.errors import EvalError
 from kvgate.eval.needle import (
     INTRO,
     NEEDLE,
     QUESTION,
     SNAP,
     evaluate_needle,
-    evaluate_ppl,
-    generate_greedy,
     make_needle,
     needle_set,
-    ppl_items,
-    ppl_window_items,
     rank_item,
 )
+from kvgate.eval.ppl import evaluate_ppl, ppl_items, ppl_window_items
 from kvgate.eval.report import ResultStore
 from kvgate.policies import Budget, get_policy
 
@@ -95,11 +93,13 @@ def _plain_greedy(model, ids, steps):
 
 
 def test_greedy_generation_with_full_cache_equals_plain_decoding(tiny_model):
-    prompts = [list(range(3, 20)), list(range(30, 40))]
-    gen, kept, total = generate_greedy(tiny_model, prompts, get_policy("full"),
-                                       Budget(ratio=1.0), max_new_tokens=4, eos=None)
-    assert gen == [_plain_greedy(tiny_model, p, 4) for p in prompts]
-    assert kept == total == [2 * tiny_model.config.num_key_value_heads * len(p) for p in prompts]
+    for prompt in [list(range(3, 20)), list(range(30, 40))]:
+        asked = ask_query_aware(tiny_model, TOK, prompt, Question((), 4), get_policy("full"),
+                                Budget(ratio=1.0), ["generate"])
+        plain = _plain_greedy(tiny_model, prompt, 4)
+        plain = plain[:plain.index(TOK.eos_token_id)] if TOK.eos_token_id in plain else plain
+        assert asked.text == TOK.decode(plain)
+        assert asked.kept == asked.total == 2 * tiny_model.config.num_key_value_heads * len(prompt)
 
 
 def test_needle_runs_write_accuracy_cells(tmp_path):

@@ -5,8 +5,8 @@ import json
 import pytest
 import torch
 
-from kvgate.eval import report
-from kvgate.eval.masked import EvalError
+from kvgate.eval import plots
+from kvgate.eval.errors import EvalError
 from kvgate.eval.report import (
     ResultStore,
     budget_label,
@@ -87,12 +87,12 @@ def test_perplexity_results_get_a_ppl_vs_eviction_plot(tmp_path):
 
 def test_every_curve_gets_its_own_colour_past_ten_series():
     """A seed sweep (gates x thresholds) easily passes the 10 colours of the default cycle."""
-    plt = report._pyplot()
+    plt = plots.pyplot()
     for n in (3, 14):
         fig, ax = plt.subplots()
         rows = [{"policy": f"gate {i}", "evict_pct": e, "ppl": 10.0 + i + e / 100}
                 for i in range(n) for e in (40.0, 50.0)]
-        report._draw_series(ax, rows + [{"policy": "full", "evict_pct": 0.0, "ppl": 9.0}],
+        plots.draw_series(ax, rows + [{"policy": "full", "evict_pct": 0.0, "ppl": 9.0}],
                             "ppl", "t", "perplexity")
         curves = [line for line in ax.lines if line.get_label() != "full"]
         assert len(curves) == n and len({line.get_color() for line in curves}) == n
@@ -190,13 +190,13 @@ def test_concurrent_processes_lose_no_key(tmp_path):
 
 
 def test_a_long_legend_goes_beside_the_plot_not_over_its_curves(tmp_path):
-    plt = report._pyplot()
+    plt = plots.pyplot()
     for n, outside in ((3, False), (14, True)):
         rows = [{"policy": f"gate {i}", "evict_pct": e, "ppl": 10.0 + i + e / 100}
                 for i in range(n) for e in (40.0, 50.0)]
         fig, axes = plt.subplots(1, 1, squeeze=False, figsize=(5.5, 4.2))
-        report._draw_series(axes[0][0], rows, "ppl", "t", "perplexity")
-        assert report._save(plt, fig, axes, tmp_path / f"{n}.png").is_file()
+        plots.draw_series(axes[0][0], rows, "ppl", "t", "perplexity")
+        assert plots.save_figure(plt, fig, axes, tmp_path / f"{n}.png").is_file()
         ax = axes[0][0]
         anchor = ax.get_legend().get_bbox_to_anchor().transformed(ax.transAxes.inverted())
         assert (anchor.x0 > 1.0) == outside
@@ -204,12 +204,12 @@ def test_a_long_legend_goes_beside_the_plot_not_over_its_curves(tmp_path):
 
 
 def test_every_curve_gets_its_own_colour_up_to_forty_series():
-    plt = report._pyplot()
+    plt = plots.pyplot()
     for n in (12, 25):
         rows = [{"policy": f"gate {i:02d}", "evict_pct": e, "ppl": 10.0 + i + e / 100}
                 for i in range(n) for e in (40.0, 50.0)]
         fig, axes = plt.subplots(1, 1, squeeze=False)
-        report._draw_series(axes[0][0], rows, "ppl", "t", "perplexity")
+        plots.draw_series(axes[0][0], rows, "ppl", "t", "perplexity")
         colours = {line.get_color() if isinstance(line.get_color(), str)
                    else tuple(line.get_color()) for line in axes[0][0].get_lines()}
         assert len(colours) == n

@@ -13,6 +13,8 @@ from eval_fakes import cli, results
 import kvgate.eval.commands
 from kvgate.eval.intervals import mean_interval, stratified_interval, wilson
 from kvgate.eval.ruler.run import build_items
+from kvgate.eval.ruler.tasks import generate
+from kvgate.inference.compress import SEPARATOR
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "inference"))
 from engine_toys import char_tokenizer
@@ -106,12 +108,17 @@ def test_lengths_past_the_model_and_bad_tasks_are_refused(capsys, tiny, tmp_path
 def test_items_cycle_depths_and_match_the_engine_split():
     tok = char_tokenizer()
     items = build_items(tok, "niah_single_1", 300, [0, 50, 100], 4)
-    assert [it.depth for it in items] == [0.0, 50.0, 100.0, 0.0]
+    assert [it.fields["depth"] for it in items] == [0.0, 50.0, 100.0, 0.0]
     # plain prompts: the context as Engine.compress encodes it (specials included), then the
     # question part as Engine.answer does
-    assert all(it.n_ctx == len(tok(it.example.context)["input_ids"]) for it in items)
-    assert all(300 <= it.n_ctx <= 301 for it in items)
-    assert [it.depth for it in build_items(tok, "vt", 300, [0, 50], 2)] == [None, None]
+    for s, it in enumerate(items):
+        ex = generate("niah_single_1", tok, 300, [0.0, 0.5, 1.0, 0.0][s], seed=s)
+        assert list(it.context) == tok(ex.context)["input_ids"]
+        assert list(it.question.ids) == tok(SEPARATOR + ex.question + "\n" + ex.answer_prefix,
+                                            add_special_tokens=False)["input_ids"]
+        assert it.fields["n_ctx"] == len(it.context) and it.answers == tuple(ex.answers)
+    assert all(300 <= it.fields["n_ctx"] <= 301 for it in items)
+    assert [it.fields["depth"] for it in build_items(tok, "vt", 300, [0, 50], 2)] == [None, None]
 
 
 def test_intervals():
@@ -163,14 +170,15 @@ def test_one_shot_policies_share_each_examples_prefill(capsys, tiny, tmp_path, m
     """Question-agnostic one-shot policies are scored from one prefill per example: the
     records equal each policy's own compress + answer; RoCo (a streamed prefill) runs alone;
     a key added later scores only itself."""
-    from kvgate.eval.ruler import run
+    from kvgate.eval import runner
+    from kvgate.eval.ruler.run import RULER
     from kvgate.policies import get_policy
     from kvgate.policies.base import Budget
 
     calls = []
-    real = run.score_shared
-    monkeypatch.setattr(run, "score_shared", lambda m, t, it, want, chat: calls.append(
-        (it.uid, sorted(want))) or real(m, t, it, want, chat))
+    real = runner.ask_shared
+    monkeypatch.setattr(runner, "ask_shared", lambda m, t, ctx, q, want, scores: calls.append(
+        (ctx, sorted(want))) or real(m, t, ctx, q, want, scores))
     argv = ["eval", "ruler", "--model", "x", "--tasks", "niah_single_1", "--lengths", "300",
             "--limit", "2", "--max-new-tokens", "4", "--no-progress", "--budgets", "0.5,0.25"]
     out = tmp_path / "s"
@@ -186,8 +194,10 @@ def test_one_shot_policies_share_each_examples_prefill(capsys, tiny, tmp_path, m
         _, _, name, bud, _ = key.split("|")
         budget = Budget(ratio=1.0 if bud == "none" else float(bud))
         for uid, ex in res[key]["examples"].items():
-            alone = run.score_agnostic(tiny, char_tokenizer(), items[uid], get_policy(name),
-                                       budget, True)
+            it = items[uid]
+            alone = runner.record(RULER, it, runner.ask_agnostic(
+                tiny, char_tokenizer(), it.context, it.question, get_policy(name), budget,
+                ["generate"]))
             assert (ex["output"], ex["kept"], ex["score"]) == (
                 alone["output"], alone["kept"], alone["score"]), (key, uid)
             assert ex["shared_prefill"] == 5
@@ -215,3 +225,26 @@ def test_kvzip_runs_its_repeat_pass_in_ruler(capsys, tiny, tmp_path, flags):
     assert len(res) == 2
     for rec in res.values():
         assert rec["complete"] and rec["evict_pct"] == pytest.approx(50, abs=5)
+def test_teacher_scores_and_paired_differences_reach_the_tables(capsys, tiny, tmp_path):
+    """--score generate,teacher: records carry the gold answers' tokens, greedy-exact and
+    log-likelihood, keys their agreement; --paired full: every row's difference to full on
+    the same examples, [0, 0] for full itself, per family and averaged."""
+    out = tmp_path / "t"
+    code, _, err = cli(capsys, "eval", "ruler", "--model", "x", "--tasks", "niah_single_1,vt",
+                       "--lengths", "300", "--limit", "2", "--policies", "full,snapkv",
+                       "--max-new-tokens", "4", "--no-progress", "--score", "generate,teacher",
+                       "--paired", "full", "--out", str(out))
+    assert code == 0, err
+    res = results(out)
+    for key, rec in res.items():
+        assert 0 <= rec["agree_pct"] <= 100 and rec["settings"]["score"] == ["generate",
+                                                                             "teacher"]
+        for ex in rec["examples"].values():
+            assert len(ex["teacher"]) == len(ex["answers"]) and "output" in ex
+            assert all(t["tokens"] and t["ll"] < 0 for t in ex["teacher"])
+        if "|full|" in key:
+            assert (rec["paired"]["diff"], rec["paired"]["ci_low"], rec["paired"]["ci_high"]) \
+                == (0.0, 0.0, 0.0)
+    md = (out / "results.md").read_text()
+    assert md.count("vs full (paired)") == 2 and md.count("greedy-exact %") == 2
+    assert "| +0.0 [0.0, 0.0] |" in md

@@ -11,7 +11,7 @@ import pytest
 from eval_fakes import CharTokenizer, cli
 
 import kvgate.eval.commands
-from kvgate.eval.masked import EvalError
+from kvgate.eval.errors import EvalError
 from kvgate.eval.report import ResultStore
 
 TEXT = ("The quick brown fox jumps over the lazy dog. It was a sunny day. The dog slept on. "

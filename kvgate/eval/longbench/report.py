@@ -59,14 +59,18 @@ def longbench_markdown(results: Sequence[Row]) -> str:
                                                       r["mode"]))
     if not rows:
         return ""
+    from kvgate.eval.columns import cells, header, optional_columns
+
+    cols = optional_columns(rows)
+    extra, more = header(cols)
     head = ("| task | metric | policy | budget | mode | n | score | 95% CI | %Evict | "
             "s/example |")
-    lines = ["### longbench", "", head, "|" + "---|" * 10]
+    lines = ["### longbench", "", head + extra, "|" + "---|" * (10 + more)]
     for r in rows:
         lines.append(f"| {r['task']} | {r.get('metric', '-')} | {r['policy']} | {r['budget']} | "
                      f"{r['mode']} | {r['n']} | {_f(r['acc'])} | {_f(r['ci_low'])}-"
                      f"{_f(r['ci_high'])} | {_f(r['evict_pct'])} | "
-                     f"{_f(r['sec_per_example'], 3)} |")
+                     f"{_f(r['sec_per_example'], 3)} |" + cells(cols, r))
     head = ("| policy | budget | mode | tasks | n | score | 95% CI | %Evict | s/example | "
             "x full |")
     lines += ["", "### longbench (average over tasks)", "", head, "|" + "---|" * 10]
@@ -90,26 +94,16 @@ def longbench_markdown(results: Sequence[Row]) -> str:
 def plot_longbench_accuracy(results: Sequence[Row], out_dir: str | Path) -> list[Path]:
     """Per mode: score against %Evict, one panel per task (and the average over the tasks of
     the settings that ran them all), one series per policy."""
-    from kvgate.eval.report import _draw_series, _pyplot, _save
+    from kvgate.eval.plots import panel_figure
 
     rows = _longbench(results)
     paths = []
     for mode in sorted({r["mode"] for r in rows}):
         mine = [r for r in rows if r["mode"] == mode]
         tasks = sorted({r["task"] for r in mine})
-        panels = tasks + (["average"] if len(tasks) > 1 else [])
-        cols = min(5, len(panels))
-        nrows = math.ceil(len(panels) / cols)
-        plt = _pyplot()
-        fig, axes = plt.subplots(nrows, cols, figsize=(4.0 * cols, 3.4 * nrows), squeeze=False)
-        avg = [a for a in averages(mine) if a["tasks"] == len(tasks)]
-        for i, panel in enumerate(panels):
-            data = avg if panel == "average" else [r for r in mine if r["task"] == panel]
-            _draw_series(axes[i // cols][i % cols], data, "acc", panel, "score")
-        for j in range(len(panels), nrows * cols):
-            axes[j // cols][j % cols].axis("off")
-        last = (len(panels) - 1) // cols, (len(panels) - 1) % cols
-        path = Path(out_dir) / f"longbench_accuracy_{mode}.png"
-        paths.append(_save(plt, fig, [[axes[last[0]][last[1]]]], path))
-        plt.close("all")
+        panels = [(t, [r for r in mine if r["task"] == t]) for t in tasks]
+        if len(tasks) > 1:
+            panels.append(("average", [a for a in averages(mine) if a["tasks"] == len(tasks)]))
+        paths.append(panel_figure(panels, "acc", "score",
+                                  Path(out_dir) / f"longbench_accuracy_{mode}.png"))
     return paths

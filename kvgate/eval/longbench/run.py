@@ -39,19 +39,15 @@ import dataclasses
 import math
 from collections import Counter
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
 from torch import nn
 
 from kvgate.data.longctx import LongExample, load_longbench
-from kvgate.eval.asked import Asked, compress_then_answer, prefill_then_decode
-from kvgate.eval.intervals import mean_interval
 from kvgate.eval.longbench.scoring import TASK_METRIC, base_task, score_example
-from kvgate.eval.multiple_choice import evict_summary, run_resumable
-from kvgate.eval.report import ResultStore, budget_label, make_key
-from kvgate.eval.ruler.run import prompt_ids
+from kvgate.eval.report import ResultStore
+from kvgate.eval.runner import Cell, QABenchmark, QAItem, qa_summary, run_qa, text_item
 from kvgate.models.limits import InputTooLongError, context_limit
 from kvgate.policies.base import Budget, Policy
 
@@ -68,20 +64,6 @@ PLAIN_TASKS = ("trec", "triviaqa", "samsum", "lsht", "lcc", "repobench-p")
 MODES = ("agnostic", "query-aware")
 LENGTH_BUCKETS = (("0-4k", 0, 4000), ("4-8k", 4000, 8000), ("8k+", 8000, math.inf))
 FALLBACK_QUESTION = "Answer:"
-
-
-@dataclass(frozen=True)
-class LongBenchItem:
-    """One example as asked (its context cut to ``max_length``, a missing question filled) with
-    its tokens: ``ids`` = context part + question part, ``n_ctx`` of them the context part."""
-
-    uid: str
-    example: LongExample
-    ids: tuple[int, ...]
-    n_ctx: int
-    chat: bool
-    max_new_tokens: int
-    dropped: int  # context tokens cut by max_length
 
 
 def task_max_new_tokens(task: str, cap: int | None = None) -> int:
@@ -131,7 +113,7 @@ def _too_long(task: str, uid: str, n_prompt: int, new: int, n_text: int, limit: 
 def build_items(tokenizer: Any, task: str, examples: Sequence[LongExample], *,
                 chat: bool = True, max_length: int | None = None,
                 max_new_cap: int | None = None,
-                model_limit: int | None = None) -> list[LongBenchItem]:
+                model_limit: int | None = None) -> list[QAItem]:
     """The items of one task; ``InputTooLongError`` when a prompt and its answer tokens
     overrun ``model_limit``."""
     chat = chat and base_task(task) not in PLAIN_TASKS
@@ -143,26 +125,23 @@ def build_items(tokenizer: Any, task: str, examples: Sequence[LongExample], *,
         seen[ex.id] += 1
         context, dropped = middle_truncate(tokenizer, ex.context, max_length)
         asked = as_asked(ex, context)
-        ctx, question = prompt_ids(tokenizer, asked, chat)
-        n_prompt = len(ctx) + len(question)
-        if model_limit is not None and n_prompt + new > model_limit:
+        item = text_item(tokenizer, uid, asked.context, asked.question,
+                         asked.answer_prefix or None, asked.answers, new, chat, "any",
+                         {"length": ex.length, "dropped": dropped},
+                         {"task": ex.task, "all_classes": ex.all_classes})
+        if model_limit is not None and len(item.ids) + new > model_limit:
             n_text = len(tokenizer(context, add_special_tokens=False)["input_ids"])
-            raise InputTooLongError(_too_long(task, uid, n_prompt, new, n_text, model_limit))
-        items.append(LongBenchItem(uid, asked, tuple(ctx + question), len(ctx), chat, new,
-                                   dropped))
+            raise InputTooLongError(_too_long(task, uid, len(item.ids), new, n_text,
+                                              model_limit))
+        items.append(item)
     return items
 
 
 def longbench_summary(records: Mapping[str, Mapping[str, Any]],
                       buckets: bool = False) -> dict[str, Any]:
-    """Mean score (%), its 95% interval, seconds per example, %Evict; with ``buckets`` the
+    """The runner's summary (:func:`kvgate.eval.runner.qa_summary`); with ``buckets`` the
     mean score per LongBench-E length bucket (``acc_0-4k``, ...; NaN when empty)."""
-    scores = [float(r["score"]) for r in records.values()]
-    n = len(scores)
-    lo, hi = mean_interval(scores) if n else (math.nan, math.nan)
-    secs = [float(r["seconds"]) for r in records.values()]
-    out = {"n": n, "acc": sum(scores) / n if n else math.nan, "ci_low": lo, "ci_high": hi,
-           "sec_per_example": sum(secs) / n if n else math.nan, **evict_summary(records)}
+    out = qa_summary(records)
     if buckets:
         for name, low, high in LENGTH_BUCKETS:
             got = [float(r["score"]) for r in records.values()
@@ -171,27 +150,13 @@ def longbench_summary(records: Mapping[str, Mapping[str, Any]],
     return out
 
 
-def _record(item: LongBenchItem, asked: Asked) -> dict[str, Any]:
-    ex = item.example
-    return {**asked.record(), "answers": list(ex.answers),
-            "score": score_example(ex.task, asked.text, ex.answers, ex.all_classes),
-            "length": ex.length, "dropped": item.dropped, "n_ctx": item.n_ctx}
+def longbench_score(item: QAItem, text: str) -> dict[str, Any]:
+    """The task's LongBench metric, best over the references, in %."""
+    return {"score": score_example(item.meta["task"], text, list(item.answers),
+                                   item.meta["all_classes"])}
 
 
-def score_agnostic(model: nn.Module, tokenizer: Any, item: LongBenchItem, policy: Policy,
-                   budget: Budget) -> dict[str, Any]:
-    """Compress the context, then ask the question over the compressed cache."""
-    ex = item.example
-    return _record(item, compress_then_answer(model, tokenizer, ex.context, ex.question,
-                                              ex.answer_prefix or None, item.max_new_tokens,
-                                              policy, budget, item.chat))
-
-
-def score_query_aware(model: nn.Module, tokenizer: Any, item: LongBenchItem, policy: Policy,
-                      budget: Budget) -> dict[str, Any]:
-    """Prefill context and question together under the policy, then decode."""
-    return _record(item, prefill_then_decode(model, tokenizer, item.ids, item.max_new_tokens,
-                                             policy, budget))
+LONGBENCH = QABenchmark("longbench", longbench_score, MODES)
 
 
 def evaluate_longbench(model: nn.Module, tokenizer: Any,
@@ -200,7 +165,7 @@ def evaluate_longbench(model: nn.Module, tokenizer: Any,
                        store: ResultStore, *, limit: int | None = None, source: str = "hub",
                        max_length: int | None = None, query_aware: bool = False,
                        chat: bool = True, max_new_tokens: int | None = None,
-                       progress: bool = True) -> list[str]:
+                       progress: bool = True, scores: Sequence[str] = ("generate",)) -> list[str]:
     """Score every (task, policy, budget); returns the result keys. ``tasks``: names (read
     from ``source``, the first ``limit`` of each) or their examples already read. Every task's
     items are built (and checked to fit the model) before anything is scored."""
@@ -210,24 +175,10 @@ def evaluate_longbench(model: nn.Module, tokenizer: Any,
     if getattr(tokenizer, "pad_token", "") is None:
         tokenizer.pad_token = tokenizer.eos_token
     model_limit = context_limit(model.config)
-    cells = [(task, build_items(tokenizer, task, examples, chat=chat, max_length=max_length,
-                                max_new_cap=max_new_tokens, model_limit=model_limit))
+    cells = [Cell(task, build_items(tokenizer, task, examples, chat=chat, max_length=max_length,
+                                    max_new_cap=max_new_tokens, model_limit=model_limit),
+                  {"metric": TASK_METRIC[base_task(task)]},
+                  partial(longbench_summary, buckets=task.endswith("-e")))
              for task, examples in data.items()]
-    mode = MODES[1] if query_aware else MODES[0]
-    scorer = score_query_aware if query_aware else score_agnostic
-    keys = []
-    for task, items in cells:
-        extra = {"metric": TASK_METRIC[base_task(task)], "query_aware": query_aware}
-        summary = partial(longbench_summary, buckets=task.endswith("-e"))
-        for name, policy in policies.items():
-            buds: Sequence[Budget | None] = [None] if policy.budget_free else budgets
-            for bud in buds:
-                fixed = bud or Budget(ratio=1.0)
-                key = make_key("longbench", task, name, budget_label(bud), mode)
-
-                def run(batch, policy=policy, fixed=fixed):
-                    return [scorer(model, tokenizer, it, policy, fixed) for it in batch]
-
-                run_resumable(store, key, items, run, summary, extra, 1, progress, policy)
-                keys.append(key)
-    return keys
+    return run_qa(model, tokenizer, LONGBENCH, cells, policies, budgets, store,
+                  query_aware=query_aware, scores=scores, progress=progress)

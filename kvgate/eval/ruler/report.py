@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from kvgate.eval.columns import mean_of
 from kvgate.eval.intervals import stratified_interval
 
 Row = dict[str, Any]
@@ -47,7 +48,9 @@ def averages(results: Sequence[Row]) -> list[Row]:
                     "families": len(rows), "n": sum(r["n"] for r in rows),
                     "acc": sum(r["acc"] for r in rows) / len(rows), "ci_low": lo, "ci_high": hi,
                     "evict_pct": sum(r["evict_pct"] for r in rows) / len(rows),
-                    "sec_per_example": secs})
+                    "sec_per_example": secs, **mean_of(rows, "teacher_acc"),
+                    **mean_of(rows, "agree_pct")})
+        _average_paired(out[-1], rows, groups)
     full = {(r["length"], r["mode"], r["families"]): r["sec_per_example"] for r in out
             if r["policy"] == "full"}
     for r in out:
@@ -56,63 +59,81 @@ def averages(results: Sequence[Row]) -> list[Row]:
     return out
 
 
+def _average_paired(avg: Row, rows: Sequence[Row],
+                    groups: dict[tuple[int, str, str, str], list[Row]]) -> None:
+    """The paired difference of an averaged row: its families against the reference's at the
+    same length and mode (same budget, else the reference's only one)."""
+    from kvgate.eval.paired import paired_difference
+
+    ref = next((r["paired"]["policy"] for r in rows if r.get("paired")), None)
+    if ref is None:
+        return
+    same = (avg["length"], ref, avg["budget"], avg["mode"])
+    found = [k for k in groups if k[0] == avg["length"] and k[1] == ref and k[3] == avg["mode"]]
+    key = same if same in groups else (found[0] if len(found) == 1 else None)
+    if key is None:
+        return
+    theirs = {r["family"]: r for r in groups[key]}
+    mine = [r for r in rows if r["family"] in theirs]
+    avg["paired"] = {"policy": ref, **paired_difference(mine, [theirs[r["family"]]
+                                                               for r in mine])}
+
+
 def ruler_markdown(results: Sequence[Row]) -> str:
     """The per-family table and the averaged one ('' when there are no RULER results)."""
     rows = _ruler(results)
     if not rows:
         return ""
+    from kvgate.eval.columns import cells, header, optional_columns
+
+    cols = optional_columns(rows)
+    extra, more = header(cols)
     head = "| task | length | policy | budget | mode | n | score % | 95% CI | %Evict | s/example |"
-    lines = ["### ruler", "", head, "|" + "---|" * 10]
+    lines = ["### ruler", "", head + extra, "|" + "---|" * (10 + more)]
     for r in sorted(rows, key=lambda r: (r["family"], int(r["length"]), r["policy"],
                                          r["budget"], r["mode"])):
         lines.append(f"| {r['family']} | {r['length']} | {r['policy']} | {r['budget']} | "
                      f"{r['mode']} | {r['n']} | {_f(r['acc'])} | {_f(r['ci_low'])}-"
                      f"{_f(r['ci_high'])} | {_f(r['evict_pct'])} | "
-                     f"{_f(r['sec_per_example'], 3)} |")
+                     f"{_f(r['sec_per_example'], 3)} |" + cells(cols, r))
     head = ("| length | policy | budget | mode | families | n | score % | 95% CI | %Evict | "
             "s/example | x full |")
-    lines += ["", "### ruler (average over task families)", "", head, "|" + "---|" * 11]
-    for a in averages(results):
+    avg = averages(results)
+    cols = optional_columns(avg)
+    extra, more = header(cols)
+    lines += ["", "### ruler (average over task families)", "", head + extra,
+              "|" + "---|" * (11 + more)]
+    for a in avg:
         lines.append(f"| {a['length']} | {a['policy']} | {a['budget']} | {a['mode']} | "
                      f"{a['families']} | {a['n']} | {_f(a['acc'])} | {_f(a['ci_low'])}-"
                      f"{_f(a['ci_high'])} | {_f(a['evict_pct'])} | "
-                     f"{_f(a['sec_per_example'], 3)} | {_f(a['x_full'], 2)} |")
+                     f"{_f(a['sec_per_example'], 3)} | {_f(a['x_full'], 2)} |" + cells(cols, a))
     return "\n".join(lines)
 
 
 def plot_ruler_accuracy(results: Sequence[Row], out_dir: str | Path) -> list[Path]:
     """Per context length and mode: score against %Evict, one panel per task family (and the
     average), one series per policy."""
-    from kvgate.eval.report import _draw_series, _pyplot, _save
+    from kvgate.eval.plots import panel_figure
 
     rows = _ruler(results)
     paths = []
     for length, mode in sorted({(int(r["length"]), r["mode"]) for r in rows}):
         mine = [r for r in rows if int(r["length"]) == length and r["mode"] == mode]
         families = sorted({r["family"] for r in mine})
-        panels = families + (["average"] if len(families) > 1 else [])
-        cols = min(5, len(panels))
-        nrows = math.ceil(len(panels) / cols)
-        plt = _pyplot()
-        fig, axes = plt.subplots(nrows, cols, figsize=(4.0 * cols, 3.4 * nrows), squeeze=False)
-        avg = [a for a in averages(mine) if a["families"] == len(families)]
-        for i, panel in enumerate(panels):
-            ax = axes[i // cols][i % cols]
-            data = avg if panel == "average" else [r for r in mine if r["family"] == panel]
-            _draw_series(ax, data, "acc", panel, "score %")
-        for j in range(len(panels), nrows * cols):
-            axes[j // cols][j % cols].axis("off")
-        last = (len(panels) - 1) // cols, (len(panels) - 1) % cols
-        path = Path(out_dir) / f"ruler_accuracy_{length}_{mode}.png"
-        paths.append(_save(plt, fig, [[axes[last[0]][last[1]]]], path))
-        plt.close("all")
+        panels = [(f, [r for r in mine if r["family"] == f]) for f in families]
+        if len(families) > 1:
+            panels.append(("average", [a for a in averages(mine)
+                                       if a["families"] == len(families)]))
+        paths.append(panel_figure(panels, "acc", "score %",
+                                  Path(out_dir) / f"ruler_accuracy_{length}_{mode}.png"))
     return paths
 
 
 def plot_ruler_heatmaps(results: Sequence[Row], out_dir: str | Path) -> list[Path]:
     """One heatmap (context length x needle depth -> score, over the needle families' examples)
     per (policy, budget, mode)."""
-    from kvgate.eval.report import depth_heatmap
+    from kvgate.eval.plots import depth_heatmap
     from kvgate.eval.ruler.run import NEEDLE_FAMILIES
 
     rows = [r for r in _ruler(results) if r["family"] in NEEDLE_FAMILIES]

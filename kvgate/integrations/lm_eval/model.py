@@ -42,8 +42,7 @@ from tqdm.auto import tqdm
 
 from kvgate.checkpoint import load_gated
 from kvgate.errors import KVGateError
-from kvgate.eval.masked import model_shape
-from kvgate.eval.multiple_choice import encode
+from kvgate.eval.errors import encode, model_shape
 from kvgate.inference import Engine
 from kvgate.integrations.lm_eval.scoring import (
     PairScores,

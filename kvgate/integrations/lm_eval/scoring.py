@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kvgate.eval.masked import model_shape
+from kvgate.eval.errors import model_shape
 from kvgate.eval.multiple_choice import score_continuations
 from kvgate.inference import Engine
 

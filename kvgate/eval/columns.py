@@ -1,0 +1,55 @@
+"""The optional columns of the question-answering tables (RULER, LongBench): the teacher
+score and its agreement with the generated one (``--score``), and the paired difference
+(``--paired``); a column is there only when a row has its number."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+Row = Mapping[str, Any]
+
+
+def _number(key: str) -> Callable[[Row], str]:
+    def cell(row: Row) -> str:
+        value = row.get(key)
+        return "-" if value is None or math.isnan(value) else f"{value:.1f}"
+
+    return cell
+
+
+def _paired(row: Row) -> str:
+    p = row.get("paired")
+    if not p or math.isnan(p["diff"]):
+        return "-"
+    return f"{p['diff']:+.1f} [{p['ci_low']:.1f}, {p['ci_high']:.1f}]"
+
+
+def optional_columns(rows: Sequence[Row]) -> list[tuple[str, Callable[[Row], str]]]:
+    """(header, cell) of each optional column some row fills."""
+    out: list[tuple[str, Callable[[Row], str]]] = []
+    if any("teacher_acc" in r for r in rows):
+        out.append(("greedy-exact %", _number("teacher_acc")))
+    if any("agree_pct" in r for r in rows):
+        out.append(("agree %", _number("agree_pct")))
+    names = sorted({r["paired"]["policy"] for r in rows if r.get("paired")})
+    if names:
+        out.append((f"vs {', '.join(names)} (paired)", _paired))
+    return out
+
+
+def header(columns: Sequence[tuple[str, Any]]) -> tuple[str, int]:
+    """The header cells to append (`` a | b |``) and how many columns they add."""
+    return "".join(f" {h} |" for h, _ in columns), len(columns)
+
+
+def cells(columns: Sequence[tuple[str, Callable[[Row], str]]], row: Row) -> str:
+    return "".join(f" {cell(row)} |" for _, cell in columns)
+
+
+def mean_of(rows: Sequence[Row], key: str) -> dict[str, float]:
+    """``{key: mean}`` over ``rows`` when every row has ``key``, else nothing."""
+    if rows and all(key in r for r in rows):
+        return {key: sum(float(r[key]) for r in rows) / len(rows)}
+    return {}

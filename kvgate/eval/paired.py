@@ -1,0 +1,63 @@
+"""Paired differences (``--paired POLICY``): a row's score less the reference policy's on the
+same examples, with a seeded paired bootstrap interval.
+
+Two policies scored on the same examples differ by less noise than their two intervals
+suggest: resampling the per-example differences (within each task family, so an average over
+families is the mean of the family means, as the tables' averages are) gives the interval of
+the gap itself. A policy against itself differs by 0 on every example, so its interval is
+[0, 0].
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from kvgate.eval.intervals import stratified_interval
+from kvgate.eval.report import ResultStore, make_key, split_key
+
+Row = Mapping[str, Any]
+
+
+def paired_difference(rows: Sequence[Row], reference: Sequence[Row],
+                      seed: int = 0) -> dict[str, Any]:
+    """Mean over families of ``rows[i]`` less ``reference[i]`` (records of the same family)
+    on the examples both hold, and its 95% paired bootstrap interval (in points)."""
+    groups = []
+    for mine, ref in zip(rows, reference):
+        theirs = ref.get("examples", {})
+        groups.append([float(e["score"]) - float(theirs[uid]["score"])
+                       for uid, e in mine.get("examples", {}).items() if uid in theirs])
+    groups = [g for g in groups if g]
+    if not groups:
+        return {"n": 0, "diff": math.nan, "ci_low": math.nan, "ci_high": math.nan}
+    lo, hi = stratified_interval(groups, seed=seed)
+    return {"n": sum(map(len, groups)), "diff": sum(sum(g) / len(g) for g in groups) / len(groups),
+            "ci_low": lo, "ci_high": hi}
+
+
+def reference_key(results: Mapping[str, Row], key: str, policy: str) -> str | None:
+    """The key of ``policy`` beside ``key``: the same kind, task, budget and mode, else its
+    only budget there (a budget-free policy such as ``full``), else None."""
+    parts = split_key(key)
+    same = make_key(parts["kind"], parts["task"], policy, parts["budget"], parts["mode"])
+    if same in results:
+        return same
+    found = [k for k in results if k.startswith(f"{parts['kind']}|{parts['task']}|{policy}|")
+             and k.endswith(f"|{parts['mode']}")]
+    return found[0] if len(found) == 1 else None
+
+
+def add_paired(store: ResultStore, keys: Sequence[str], policy: str, seed: int = 0) -> None:
+    """Store beside each of ``keys`` its paired difference to ``policy`` (``paired``:
+    policy, n, diff, ci_low, ci_high); a key without the reference beside it gets none."""
+    results = store.results
+    for key in keys:
+        ref = reference_key(results, key, policy)
+        if ref is None:
+            continue
+        results[key]["paired"] = {"policy": policy,
+                                  **paired_difference([results[key]], [results[ref]], seed)}
+        store.put(key, {k: v for k, v in results[key].items() if k != "examples"},
+                  results[key]["examples"], results[key].get("complete", False))

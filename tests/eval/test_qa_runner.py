@@ -1,0 +1,51 @@
+"""The question-answering runner (``kvgate.eval.runner``): the records it stores for RULER
+and the needle equal those stored before it existed (``data/qa_records.json``); teacher
+scoring's greedy-exact is greedy generation starting with the gold answer."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from conftest import build, tiny_llama_config
+from eval_fakes import CharTokenizer
+from qa_records import SNAPSHOT, records
+
+from kvgate.eval.asked import Question, ask_agnostic, ask_query_aware
+from kvgate.policies import Budget, get_policy
+
+
+def test_ruler_and_needle_records_equal_the_records_before_the_runner(tmp_path):
+    want = json.loads(SNAPSHOT.read_text())
+    got = json.loads(json.dumps(records(tmp_path)))  # as the store writes it
+    assert sorted(got) == sorted(want)
+    for key in want:
+        assert got[key] == want[key], key
+
+
+@pytest.mark.parametrize("policy", ["full", "snapkv"])
+def test_greedy_exact_is_greedy_generation_starting_with_the_gold_answer(policy):
+    """Teacher scoring feeds a gold answer once; greedy-exact must say exactly whether greedy
+    decoding after the question begins with it: gold answers cut from the generation are
+    exact, the same with one token changed (at its start or end) are not."""
+    model = build(tiny_llama_config(max_position_embeddings=640))
+    tok = CharTokenizer()
+    g = torch.Generator().manual_seed(3)
+    context = tuple(torch.randint(3, 128, (80,), generator=g).tolist())
+    question = tuple(torch.randint(3, 128, (6,), generator=g).tolist())
+    pol, budget = get_policy(policy), Budget(ratio=0.5)
+    for ask in (ask_agnostic, ask_query_aware):
+        made = ask(model, tok, context, Question(question, 6), pol, budget,
+                   ["generate"])
+        generated = tok(made.text, add_special_tokens=False)["input_ids"]
+        assert len(generated) == 6
+        other = [3 + (t - 3 + 1) % 125 for t in generated]
+        golds = [tuple(generated[:k]) for k in (1, 3, 6)] + [
+            (other[0], *generated[1:3]), (*generated[:2], other[2])]
+        asked = ask(model, tok, context, Question(question, 6, tuple(golds)), pol, budget,
+                    ["generate", "teacher"])
+        assert asked.text == made.text and asked.kept == made.kept
+        assert [t.exact for t in asked.teacher] == [True, True, True, False, False]
+        assert all(t.ll < 0 for t in asked.teacher)
+        assert asked.teacher[0].ll > asked.teacher[3].ll  # the argmax beats another token
