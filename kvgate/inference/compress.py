@@ -222,15 +222,17 @@ def _prefill_contexts(engine: Any, contexts: str | list[str], chat: bool,
                           getattr(engine, "truncate", False), what="context",
                           reserved="tokens for the question and its answer" if reserve > 1
                           else "new tokens")
-    return prefill_rows(engine, rows, cache, chat, tail, contexts)[0]
+    return prefill_rows(engine, rows, cache, chat, tail, contexts, pass_chat=chat)[0]
 
 
 @torch.no_grad()
 def prefill_rows(engine: Any, rows: list[list[int]], cache: CompressedCache, chat: bool = False,
                  suffix: str = "", contexts: list[str] | None = None,
-                 ) -> tuple[CompressedContext, Any]:
+                 pass_chat: bool | None = None) -> tuple[CompressedContext, Any]:
     """Prefill token ``rows`` (left padded) into ``cache``: the compressed context and the
-    forward's output (its last logits predict each row's next token)."""
+    forward's output (its last logits predict each row's next token). A ``PassScoring``
+    policy's passes run before the choice; ``pass_chat`` is how they ask (``run_passes``'s
+    ``chat``: None, the chat template where the tokenizer has one)."""
     ids, mask = left_pad(rows, _pad(engine.tokenizer))
     device = engine.device
     ids, mask = ids.to(device), mask.to(device)
@@ -239,7 +241,7 @@ def prefill_rows(engine: Any, rows: list[list[int]], cache: CompressedCache, cha
     out = engine.model(input_ids=ids, attention_mask=mask,
                        position_ids=left_padded_positions(mask), past_key_values=cache,
                        use_cache=True, logits_to_keep=1)
-    run_passes(engine.model, engine.tokenizer, cache, ids, mask, chat)
+    run_passes(engine.model, engine.tokenizer, cache, ids, mask, pass_chat)
     sync_device(device)
     ms = 1000.0 * (time.perf_counter() - t0)
     return CompressedContext(cache, ids, mask, chat, suffix, list(contexts or []),
