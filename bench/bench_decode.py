@@ -188,11 +188,10 @@ def profile_step(regimes: list[Regime], device: torch.device) -> None:
                                         max_name_column_width=60))
 
 
-def _ratios(row: dict, base: dict, batch: int, keep: float, cuda: bool) -> str:
-    """tokens/s, bytes held and peaks of ``row`` over ``base``; at batch 8 with the targets."""
+def _ratios(row: dict, base: dict, marks: bool, keep: float, cuda: bool) -> str:
+    """tokens/s, bytes held and peaks of ``row`` over ``base``; ``marks``: with the targets."""
     speed = row["tokens_per_s"] / base["tokens_per_s"]
     held = row["bytes"] / base["bytes"]
-    marks = batch == 8
 
     def mark(ok: bool, what: str) -> str:
         return f" ({'PASS' if ok else 'FAIL'} {what})" if marks else ""
@@ -229,11 +228,11 @@ def report(regimes: list[Regime], batch: int, evict: float, cuda: bool) -> None:
         fair = (reg.graph and reg.name != "dense-graph" and dense_graph is not None
                 and "failed" not in dense_graph)
         if fair:
-            line += f"\n      vs dense-graph: {_ratios(row, dense_graph, batch, keep, cuda)}"
+            line += f"\n      vs dense-graph: {_ratios(row, dense_graph, batch == 8, keep, cuda)}"
         if reg is not regimes[0] and "failed" not in dense:
             # the targets are read against the fair baseline: marked once
             line += (f"\n      vs dense: "
-                     f"{_ratios(row, dense, 0 if fair else batch, keep, cuda)}")
+                     f"{_ratios(row, dense, batch == 8 and not fair, keep, cuda)}")
         print(line)
 
 

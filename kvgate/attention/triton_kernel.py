@@ -82,22 +82,25 @@ def _tuned(kernel, which: str):
 _TUNED: dict = {}
 
 
+def _fixed(tiles: tuple[int, int, int, int]) -> dict:
+    bm, bn, warps, stages = tiles
+    return {"BLOCK_M": bm, "BLOCK_N": bn, "num_warps": warps, "num_stages": stages}
+
+
 def _launcher(which: str, device: torch.device):
     """(kernel, tile kwargs): the autotuned kernel on CUDA, fixed small tiles elsewhere."""
     kernel = {"fwd": _forward, "kv": _backward_kv, "q": _backward_q}[which]
     if device.type != "cuda":
-        bm, bn, warps, stages = _INTERPRETER_TILES
-        return kernel, {"BLOCK_M": bm, "BLOCK_N": bn, "num_warps": warps, "num_stages": stages}
+        return kernel, _fixed(_INTERPRETER_TILES)
     if os.environ.get("KVGATE_TRITON_AUTOTUNE", "1") == "0":
         # the first candidate, untuned: tests compile one config per shape instead of four
-        bm, bn, warps, stages = _CANDIDATES[which][0]
-        return kernel, {"BLOCK_M": bm, "BLOCK_N": bn, "num_warps": warps, "num_stages": stages}
+        return kernel, _fixed(_CANDIDATES[which][0])
     if which not in _TUNED:
         _TUNED[which] = _tuned(kernel, which)
     return _TUNED[which], {}
 
 
-def _mask_vectors(allowed: Tensor | None, b: int, nq: int, n: int, device: torch.device):
+def _mask_vectors(allowed: Tensor | None, n: int, device: torch.device):
     """(mode, lo, hi, dense) for the kernels from the base mask [B, 1, nq, n] bool or None.
 
     Each row's allowed keys form one contiguous run [lo, hi] under causal, left-padding and
@@ -133,8 +136,7 @@ class _Problem:
         self.keep = (gate.detach() > 0.5).to(torch.int8).contiguous()
         self.keep_group = self.h // gate.shape[1]
         self.group = self.h // self.hk
-        self.mode, self.lo, self.hi, self.dense = _mask_vectors(allowed, self.b, self.nq,
-                                                                self.n, q.device)
+        self.mode, self.lo, self.hi, self.dense = _mask_vectors(allowed, self.n, q.device)
         self.prompt = (prompt.to(torch.int8).contiguous() if prompt is not None
                        else torch.zeros(1, dtype=torch.int8, device=q.device))
         self.has_prompt = prompt is not None
@@ -171,13 +173,11 @@ def _forward_call(pb: _Problem) -> tuple[Tensor, Tensor]:
     kernel, c = pb.launch("fwd", pb.nq)
     q, k, v = pb.q, pb.k, pb.v
     kernel(q, k, v, pb.keep, pb.lo, pb.hi, pb.dense, pb.prompt, out, lse,
-                   q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-                   v.stride(0), v.stride(1), v.stride(2),
-                   out.stride(0), out.stride(1), out.stride(2),
-                   pb.keep.stride(0), pb.keep.stride(1), lse.stride(0), lse.stride(1),
-                   *pb.mask_args(),
-                   pb.h, pb.nq, pb.n, pb.offset, pb.scale * LOG2E, pb.window, pb.group,
-                   pb.keep_group, **c)
+           q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+           v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2),
+           pb.keep.stride(0), pb.keep.stride(1), lse.stride(0), lse.stride(1), *pb.mask_args(),
+           pb.h, pb.nq, pb.n, pb.offset, pb.scale * LOG2E, pb.window, pb.group, pb.keep_group,
+           **c)
     return out, lse
 
 
@@ -192,25 +192,20 @@ def _backward_call(pb: _Problem, out: Tensor, lse: Tensor, grad_out: Tensor):
     dg = torch.empty(pb.b, pb.keep.shape[1], pb.n, dtype=torch.float32, device=q.device)
     common = (pb.keep.stride(0), pb.keep.stride(1), lse.stride(0), lse.stride(1))
     kernel, c = pb.launch("kv", pb.n)
-    kernel(q, k, v, pb.keep, pb.lo, pb.hi, pb.dense, pb.prompt, do, lse, delta,
-                       dk, dv, dg,
-                       q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1),
-                       k.stride(2), v.stride(0), v.stride(1), v.stride(2),
-                       do.stride(0), do.stride(1), do.stride(2), *common,
-                       dk.stride(0), dk.stride(1), dk.stride(2),
-                       dv.stride(0), dv.stride(1), dv.stride(2), dg.stride(0), dg.stride(1),
-                       *pb.mask_args(),
-                       pb.hk, pb.nq, pb.n, pb.offset, pb.scale, pb.scale * LOG2E, _CLAMP2,
-                       pb.window, pb.group, pb.keep_group,
-                       KEEP_PER_QUERY_HEAD=per_query_head, **c)
+    kernel(q, k, v, pb.keep, pb.lo, pb.hi, pb.dense, pb.prompt, do, lse, delta, dk, dv, dg,
+           q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+           v.stride(0), v.stride(1), v.stride(2), do.stride(0), do.stride(1), do.stride(2),
+           *common, dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1),
+           dv.stride(2), dg.stride(0), dg.stride(1), *pb.mask_args(),
+           pb.hk, pb.nq, pb.n, pb.offset, pb.scale, pb.scale * LOG2E, _CLAMP2, pb.window,
+           pb.group, pb.keep_group, KEEP_PER_QUERY_HEAD=per_query_head, **c)
     kernel, c = pb.launch("q", pb.nq)
     kernel(q, k, v, pb.keep, pb.lo, pb.hi, pb.dense, pb.prompt, do, lse, delta, dq,
-                      q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1),
-                      k.stride(2), v.stride(0), v.stride(1), v.stride(2),
-                      do.stride(0), do.stride(1), do.stride(2), *common,
-                      dq.stride(0), dq.stride(1), dq.stride(2), *pb.mask_args(),
-                      pb.h, pb.nq, pb.n, pb.offset, pb.scale, pb.scale * LOG2E, pb.window,
-                      pb.group, pb.keep_group, **c)
+           q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+           v.stride(0), v.stride(1), v.stride(2), do.stride(0), do.stride(1), do.stride(2),
+           *common, dq.stride(0), dq.stride(1), dq.stride(2), *pb.mask_args(),
+           pb.h, pb.nq, pb.n, pb.offset, pb.scale, pb.scale * LOG2E, pb.window, pb.group,
+           pb.keep_group, **c)
     return dq, dk, dv, dg
 
 
