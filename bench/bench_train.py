@@ -70,21 +70,18 @@ def attention_free(q, k, v, gate, allowed=None, scaling=None, recent=0, chunk=No
     return q + kv * flags[:, :, rows, None].to(q.dtype)
 
 
-def flex(q, k, v, gate, allowed=None, scaling=None, recent=0, chunk=None, prompt=None,
-         kernel=None):
-    """kvgate's gated attention on its FlexAttention kernel, whatever the gate config says."""
-    return gated_attention(q, k, v, gate, allowed, scaling, recent, chunk, prompt, kernel="flex")
+def on_kernel(name: str):
+    """kvgate's gated attention on kernel ``name`` ("flex", "triton"), whatever the gate config
+    says (same signature as ``gated_attention``, so it can stand in for it)."""
+    def run(q, k, v, gate, allowed=None, scaling=None, recent=0, chunk=None, prompt=None,
+            kernel=None):
+        return gated_attention(q, k, v, gate, allowed, scaling, recent, chunk, prompt,
+                               kernel=name)
+    return run
 
 
-def triton(q, k, v, gate, allowed=None, scaling=None, recent=0, chunk=None, prompt=None,
-           kernel=None):
-    """kvgate's gated attention on its Triton kernel, whatever the gate config says."""
-    return gated_attention(q, k, v, gate, allowed, scaling, recent, chunk, prompt,
-                           kernel="triton")
-
-
-IMPLEMENTATIONS = {"materialised": materialised, "attention_free": attention_free, "flex": flex,
-                   "triton": triton}
+IMPLEMENTATIONS = {"materialised": materialised, "attention_free": attention_free,
+                   "flex": on_kernel("flex"), "triton": on_kernel("triton")}
 
 
 @contextmanager
