@@ -162,11 +162,11 @@ def write_patterns(model: Any, tokenizer: Any, tasks: dict[str, list[Any]],
                    out: Path, cfg: TaskConfig | None = None) -> list[Path]:
     """Eviction-pattern plots of the first ``samples`` examples of the first task (cut as
     ``cfg``'s ``max_length`` and ``truncate`` say)."""
-    from kvgate.eval.errors import pad_id
     from kvgate.eval.masked import masked_scores
     from kvgate.eval.multiple_choice import tokenize_tasks
     from kvgate.eval.report import plot_eviction_pattern
     from kvgate.models.limits import context_limit
+    from kvgate.models.load import pad_id
 
     task = next(iter(tasks))
     examples = {task: tasks[task][:samples]}

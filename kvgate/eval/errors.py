@@ -1,6 +1,6 @@
 """What every evaluation module needs first: the one error type of bad evaluation input, and
-the few facts read off a model or a tokenizer (layers and KV heads, device, padding id,
-token ids of a text)."""
+the few facts read off a model or a tokenizer (layers and KV heads, device, token ids of a
+text; the padding id is ``kvgate.models.load.pad_id``)."""
 
 from __future__ import annotations
 
@@ -28,15 +28,6 @@ def model_shape(model: nn.Module) -> tuple[int, int]:
 
 def model_device(model: nn.Module) -> torch.device:
     return next(model.parameters()).device
-
-
-def pad_id(tokenizer: Any) -> int:
-    """A token id to put at padding (never attended, never scored)."""
-    for name in ("pad_token_id", "eos_token_id", "bos_token_id"):
-        value = getattr(tokenizer, name, None)
-        if isinstance(value, int):
-            return value
-    return 0
 
 
 def encode(tokenizer: Any, text: str, special: bool = False) -> list[int]:

@@ -38,7 +38,7 @@ from torch import Tensor, nn
 
 from kvgate.attention.masks import left_pad, right_pad
 from kvgate.data.tasks import MCExample
-from kvgate.eval.errors import EvalError, encode, model_device, model_shape, pad_id
+from kvgate.eval.errors import EvalError, encode, model_device, model_shape
 from kvgate.eval.masked import ItemScore, ScoringItem, check_budget_ratio, masked_scores
 from kvgate.eval.report import ResultStore, budget_label, make_key
 from kvgate.eval.resumable import evict_summary, run_resumable
@@ -46,6 +46,7 @@ from kvgate.inference import Engine
 from kvgate.inference.compress import run_passes
 from kvgate.inference.decode import left_padded_positions
 from kvgate.models.limits import InputTooLongError, context_limit
+from kvgate.models.load import pad_id
 from kvgate.policies.base import Budget, Policy
 
 MODES = ("masked", "cache")

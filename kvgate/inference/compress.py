@@ -36,7 +36,7 @@ from kvgate.cache.shared import SharedPrefill
 from kvgate.files import read_user_text
 from kvgate.inference.decode import decode, left_padded_positions, until_eos
 from kvgate.models.limits import InputTooLongError, context_limit, fit_to_context
-from kvgate.models.load import sync_device
+from kvgate.models.load import pad_id, sync_device
 from kvgate.policies.base import Budget, Policy, PolicyError
 from kvgate.policies.contract import Ask, PassScoring
 
@@ -138,15 +138,6 @@ def run_passes(model: Any, tokenizer: Any, cache: CompressedCache, ids: Tensor, 
     choose_all(cache)
 
 
-def _pad(tokenizer: Any) -> int:
-    """The id padding is written with (never attended): the pad token, else EOS, else 0."""
-    for name in ("pad_token_id", "eos_token_id"):
-        value = getattr(tokenizer, name, None)
-        if isinstance(value, int):
-            return value
-    return 0
-
-
 def _tokenizer_ready(tokenizer: Any) -> None:
     if getattr(tokenizer, "pad_token", None) is None:
         tokenizer.pad_token = tokenizer.eos_token
@@ -233,7 +224,7 @@ def prefill_rows(engine: Any, rows: list[list[int]], cache: CompressedCache, cha
     forward's output (its last logits predict each row's next token). A ``PassScoring``
     policy's passes run before the choice; ``pass_chat`` is how they ask (``run_passes``'s
     ``chat``: None, the chat template where the tokenizer has one)."""
-    ids, mask = left_pad(rows, _pad(engine.tokenizer))
+    ids, mask = left_pad(rows, pad_id(engine.tokenizer))
     device = engine.device
     ids, mask = ids.to(device), mask.to(device)
     sync_device(device)
@@ -310,7 +301,7 @@ def answer_rows(engine: Any, compressed: CompressedContext, rows: list[list[int]
     """Question token ``rows`` (one per context, non-empty) fed over a fork of the cache,
     then greedy decoding: the token ids per context, up to and with EOS."""
     device = engine.device
-    q_ids, q_mask = left_pad(rows, _pad(engine.tokenizer))
+    q_ids, q_mask = left_pad(rows, pad_id(engine.tokenizer))
     q_ids, q_mask = q_ids.to(device), q_mask.to(device)
     start = compressed.attention_mask.sum(-1)  # [B] real context tokens: the next position
     positions = (start[:, None] + q_mask.cumsum(-1) - 1).clamp(min=0)
@@ -328,7 +319,7 @@ def decode_after(engine: Any, out: Any, mask: Tensor, next_pos: Tensor, cache: A
     each row cut after its EOS."""
     eos = getattr(engine.tokenizer, "eos_token_id", None)
     generated, _ = decode(engine.model, out, mask, next_pos, cache, max_new_tokens, eos,
-                          _pad(engine.tokenizer), graphs=engine.graphs)
+                          pad_id(engine.tokenizer), graphs=engine.graphs)
     return [until_eos(row, eos) for row in generated]
 
 

@@ -199,6 +199,16 @@ def load_tokenizer(name_or_path: str | os.PathLike) -> Any:
     return _ensure_pad(tokenizer)
 
 
+def pad_id(tokenizer: Any) -> int:
+    """A token id to put at padding (never attended, never scored): the pad token, else EOS,
+    else BOS, else 0."""
+    for name in ("pad_token_id", "eos_token_id", "bos_token_id"):
+        value = getattr(tokenizer, name, None)
+        if isinstance(value, int):
+            return value
+    return 0
+
+
 def _ensure_pad(tokenizer: Any) -> Any:
     # batches are padded: a tokenizer without a pad token pads with EOS
     if tokenizer.pad_token is None:
