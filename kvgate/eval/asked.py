@@ -22,7 +22,7 @@ from typing import Any
 from torch import nn
 
 from kvgate.eval.errors import model_shape
-from kvgate.eval.teacher import TeacherScore, teacher_scores
+from kvgate.eval.teacher import LEAD_TOKENS, TeacherScore, teacher_scores
 from kvgate.policies.base import Budget, Policy
 from kvgate.policies.contract import DecodeEvicting
 
@@ -30,11 +30,13 @@ from kvgate.policies.contract import DecodeEvicting
 @dataclass(frozen=True)
 class Question:
     """What is asked after the context: its tokens, the tokens to generate, and the gold
-    answers' tokens (teacher scoring)."""
+    answers' tokens and texts (teacher scoring; the texts let it feed an answer after the
+    model's lead-in, :mod:`kvgate.eval.teacher`)."""
 
     ids: tuple[int, ...]
     max_new_tokens: int
     answers: tuple[tuple[int, ...], ...] = ()
+    texts: tuple[str, ...] = ()
 
 
 @dataclass
@@ -68,13 +70,15 @@ def _ask(engine: Any, compressed: Any, question: Question, scores: Sequence[str]
     from kvgate.inference.compress import answer_rows
 
     texts: list[str | None] = [None] * rows
+    ids = None
     if "generate" in scores:
         ids = answer_rows(engine, compressed, [list(question.ids)] * rows,
                           question.max_new_tokens)
         texts = [engine.tokenizer.decode(row, skip_special_tokens=True) for row in ids]
     teacher = [[] for _ in range(rows)]
-    if "teacher" in scores:
-        teacher = teacher_scores(engine.model, compressed, question.ids, question.answers)
+    if "teacher" in scores:  # the generation's start is the lead-in, when long enough
+        greedy = ids if question.max_new_tokens >= LEAD_TOKENS else None
+        teacher = teacher_scores(engine, compressed, question, greedy=greedy)
     return texts, teacher
 
 
@@ -150,8 +154,8 @@ def ask_query_aware(model: nn.Module, tokenizer: Any, context: Sequence[int],
     kept, total = _kept(model, compressed)
     teacher = []
     if "teacher" in scores:  # first: decoding below grows the cache
-        teacher = teacher_scores(model, compressed, (), question.answers,
-                                 first=out.logits[:, -1])[0]
+        asked = Question((), question.max_new_tokens, question.answers, question.texts)
+        teacher = teacher_scores(engine, compressed, asked, first=out.logits[:, -1])[0]
     text = None
     if "generate" in scores:
         mask = compressed.attention_mask

@@ -169,7 +169,7 @@ def qa_items(tokenizer: Any, examples: Sequence[NeedleExample],
     for ex in examples:
         gold = (answer_tokens(tokenizer, QUESTION, ex.key),)
         out.append(QAItem(ex.uid, ex.ids[:len(ex.ids) - len(question)],
-                          Question(question, max_new_tokens, gold), (ex.key,),
+                          Question(question, max_new_tokens, gold, (ex.key,)), (ex.key,),
                           fields={"n_ctx": len(ex.ids)}, meta={"key": ex.key}))
     return out
 

@@ -96,7 +96,8 @@ def text_item(tokenizer: Any, uid: str, context: str, question: str, answer_pref
     ctx_ids = tuple(tokenizer(ctx, add_special_tokens=not chat)["input_ids"])
     q_ids = tuple(tokenizer(asked, add_special_tokens=False)["input_ids"])
     gold = tuple(answer_tokens(tokenizer, asked, a) for a in answers)
-    return QAItem(uid, ctx_ids, Question(q_ids, max_new_tokens, gold), tuple(answers), match,
+    asked_q = Question(q_ids, max_new_tokens, gold, tuple(answers))
+    return QAItem(uid, ctx_ids, asked_q, tuple(answers), match,
                   {**(fields or {}), "n_ctx": len(ctx_ids)}, {**(meta or {}), "chat": chat})
 
 

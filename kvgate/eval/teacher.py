@@ -3,72 +3,65 @@ tokens are fed once over a fork of the compressed cache, and every position's lo
 
 - the answer's mean log-likelihood per token, and
 - *greedy-exact*: every gold token is the argmax at its position, which is exactly when greedy
-  decoding right after the question would begin with the gold answer.
+  decoding, after its formatting lead-in, would begin with the gold answer.
 
-One forward per gold answer instead of a decode step per generated token. The answer's tokens
-adds to the cache and evicts nothing (as the question does), so for a policy that evicts while
-decoding (H2O, TOVA, ...) greedy-exact can differ from what its decoding would give on long
-answers.
+The lead-in: small models often open an answer with formatting before it (SmolLM2 answers a
+needle question with ":\\n\\n1. 8001569"), so the gold answer is rarely the argmax right after
+the question although generation finds it (RULER scores by substring). Teacher scoring
+therefore decodes greedily for at most :data:`LEAD_TOKENS` tokens until the text leaves the
+formatting (:func:`formatting_lead_in`: white space, ``:``, ``-``, ``*``, ``#``, ``>``,
+quotes, then at most one list marker such as ``1.``), and feeds the gold answer after that
+lead-in (re-tokenised as it would follow it). Where answers are also generated, the lead-in is
+read from the generation instead (the same greedy tokens, no extra step). A record keeps the
+lead-in's tokens and the answer's, so the score is reproducible.
+
+One forward per gold answer (plus the few lead-in steps) instead of a decode step per generated
+token. The answer's tokens add to the cache and evict nothing (as the question does), so for a
+policy that evicts while decoding (H2O, TOVA, ...) greedy-exact can differ from what its
+decoding would give on long answers.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import re
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
-from kvgate.eval.errors import EvalError, model_device
+from kvgate.eval.errors import EvalError
+
+# at most this many greedy tokens before the answer (":\n\n1. " is 6 SmolLM2 tokens, and a
+# 2-digit list number needs one more to be told from an answer starting with digits)
+LEAD_TOKENS = 8
+
+_MARKS = r"[\s:*#>\"'`\-]*"  # formatting an answer may open with
+_FULL = re.compile(_MARKS + r"(?:\d{1,2}[.)]\s+)?")  # ... then at most one list number
+_OPEN = re.compile(_MARKS + r"(?:\d{1,2}[.)]?)?")  # a text that may still become a lead-in
+
+
+def formatting_lead_in(text: str, final: bool = False) -> int | None:
+    """The length in characters of ``text``'s formatting lead-in, or None while undecided
+    (every character so far is formatting, or the tail may still become a list number such
+    as "1." before an answer); ``final``: no more text comes, so decide now."""
+    end = _FULL.match(text).end()
+    if final:
+        return end
+    if end == len(text) or _OPEN.fullmatch(text):
+        return None
+    return end
 
 
 @dataclass(frozen=True)
 class TeacherScore:
     ll: float  # mean log-likelihood per answer token
     exact: bool  # every answer token is the argmax at its position
-    tokens: tuple[int, ...]
+    tokens: tuple[int, ...]  # the answer's tokens as fed
+    lead: tuple[int, ...] = ()  # the greedy lead-in fed before them
 
     def record(self) -> dict:
-        return {**asdict(self), "tokens": list(self.tokens)}
-
-
-@torch.no_grad()
-def teacher_scores(model: nn.Module, compressed, lead: Sequence[int],
-                   answers: Sequence[Sequence[int]], first: Tensor | None = None,
-                   ) -> list[list[TeacherScore]]:
-    """Per row of ``compressed`` (a ``CompressedContext``), a score per answer: ``lead`` (the
-    question's tokens, the same for every row) and the answer are fed over a fork of the cache.
-    ``first`` [B, V]: the logits that predict the answer's first token when ``lead`` is empty
-    (those of the forward that filled the cache)."""
-    from kvgate.cache.fork import fork_cache, grow_capacity
-
-    if not answers or any(not a for a in answers):
-        raise EvalError("teacher scoring needs at least one gold answer, each with tokens")
-    if not lead and first is None:
-        raise EvalError("teacher scoring needs the question's tokens or the logits before them")
-    device = model_device(model)
-    rows = compressed.batch
-    start = compressed.attention_mask.sum(-1).to(device)
-    out: list[list[TeacherScore]] = [[] for _ in range(rows)]
-    for answer in answers:  # a forward per gold answer
-        seq = list(lead) + list(answer[:-1])
-        parts = [] if first is None else [first.float()[:, None]]
-        if seq:
-            cache = fork_cache(compressed.cache)
-            grow_capacity(cache, torch.full((rows,), len(seq)))
-            ids = torch.tensor([seq] * rows, device=device)
-            mask = torch.cat([compressed.attention_mask.to(device), torch.ones_like(ids)], dim=1)
-            pos = start[:, None] + torch.arange(len(seq), device=device)
-            parts.append(model(input_ids=ids, attention_mask=mask, position_ids=pos,
-                               past_key_values=cache, use_cache=True).logits.float())
-        logits = torch.cat(parts, dim=1)[:, -len(answer):]  # [B, A, V]: predicts token a
-        gold = torch.tensor(list(answer), device=device).expand(rows, -1)
-        logp = logits.gather(-1, gold[..., None])[..., 0] - torch.logsumexp(logits, dim=-1)
-        exact = (logits.argmax(-1) == gold).all(-1)
-        for b in range(rows):
-            out[b].append(TeacherScore(float(logp[b].double().mean()), bool(exact[b]),
-                                       tuple(answer)))
-    return out
+        return {**asdict(self), "tokens": list(self.tokens), "lead": list(self.lead)}
 
 
 def answer_tokens(tokenizer, prompt_end: str, answer: str) -> tuple[int, ...]:
@@ -77,3 +70,109 @@ def answer_tokens(tokenizer, prompt_end: str, answer: str) -> tuple[int, ...]:
     as "... is" is followed by " 42"; a chat template's generation prompt ends in a new line)."""
     lead = "" if not prompt_end or prompt_end[-1].isspace() else " "
     return tuple(tokenizer(lead + answer, add_special_tokens=False)["input_ids"])
+
+
+def lead_in_tokens(tokenizer, greedy: Sequence[int], eos: int | None) -> tuple[int, ...]:
+    """The longest start of ``greedy`` (a greedy continuation) inside its formatting lead-in."""
+    row = list(greedy)
+    if eos is not None and eos in row:
+        row = row[:row.index(eos)]
+    end = None
+    for k in range(1, len(row) + 1):  # <= LEAD_TOKENS steps, once per example
+        end = formatting_lead_in(tokenizer.decode(row[:k]), final=k == len(row))
+        if end is not None:
+            break
+    if not end:
+        return ()
+    k = 0
+    while k < len(row) and len(tokenizer.decode(row[:k + 1])) <= end:
+        k += 1
+    return tuple(row[:k])
+
+
+def lead_in_rule(tokenizer) -> Callable[[Tensor], Tensor]:
+    """``decode``'s stop rule for the lead-in: a row is done once its lead-in is decided."""
+    def until(tokens: Tensor) -> Tensor:
+        return torch.tensor([formatting_lead_in(tokenizer.decode(row)) is not None
+                             for row in tokens.tolist()])
+    return until
+
+
+def gold_after_lead(tokenizer, question, lead: Sequence[int]) -> list[tuple[int, ...]]:
+    """The gold answers' tokens after ``lead``: as stored when there is no lead-in, else
+    re-tokenised after the lead-in's text."""
+    if not lead:
+        return list(question.answers)
+    text = tokenizer.decode(list(lead))
+    return [answer_tokens(tokenizer, text, a) for a in question.texts]
+
+
+@torch.no_grad()
+def teacher_scores(engine, compressed, question, first: Tensor | None = None,
+                   greedy: Sequence[Sequence[int]] | None = None) -> list[list[TeacherScore]]:
+    """Per row of ``compressed`` (a ``CompressedContext``), a score per gold answer of
+    ``question`` (``kvgate.eval.asked.Question``: its tokens, the same for every row, then its
+    answers). ``first`` [B, V]: the logits that predict the answer's first token when the
+    question's tokens are empty (those of the forward that filled the cache). ``greedy``: each
+    row's greedy generation when it ran (its start is the lead-in), else the lead-in is
+    decoded here; no lead-in without the answers' texts (``question.texts``)."""
+    from kvgate.cache.fork import fork_cache, grow_capacity
+    from kvgate.inference.compress import answer_rows, decode_after
+    from kvgate.models.load import pad_id
+
+    model, tok = engine.model, engine.tokenizer
+    lead = list(question.ids)
+    if not question.answers or any(not a for a in question.answers):
+        raise EvalError("teacher scoring needs at least one gold answer, each with tokens")
+    if not lead and first is None:
+        raise EvalError("teacher scoring needs the question's tokens or the logits before them")
+    rows = compressed.batch
+    eos = getattr(tok, "eos_token_id", None)
+    if not question.texts:
+        leads = [()] * rows
+    else:
+        if greedy is None:
+            rule = lead_in_rule(tok)
+            if lead:
+                greedy = answer_rows(engine, compressed, [lead] * rows, LEAD_TOKENS, rule)
+            else:
+                mask = compressed.attention_mask
+                cache = fork_cache(compressed.cache)
+                out = _Logits(first[:, None])
+                greedy = decode_after(engine, out, mask, mask.sum(-1, keepdim=True), cache,
+                                      LEAD_TOKENS, rule)
+        leads = [lead_in_tokens(tok, g[:LEAD_TOKENS], eos) for g in greedy]
+    golds = [gold_after_lead(tok, question, leads[b]) for b in range(rows)]
+    device = compressed.attention_mask.device
+    start = compressed.attention_mask.sum(-1)
+    out: list[list[TeacherScore]] = [[] for _ in range(rows)]
+    for a in range(len(question.answers)):  # a forward per gold answer
+        seqs = [lead + list(leads[b]) + list(golds[b][a]) for b in range(rows)]
+        fed = max(len(s) for s in seqs) - 1
+        parts = [] if first is None else [first.float()[:, None]]
+        if fed > 0:  # right padding: causal, so a row's pads follow every position it reads
+            pad = pad_id(tok)
+            ids = torch.tensor([s[:-1] + [pad] * (fed + 1 - len(s)) for s in seqs],
+                               device=device)
+            cache = fork_cache(compressed.cache)
+            grow_capacity(cache, torch.full((rows,), fed))
+            mask = torch.cat([compressed.attention_mask, torch.ones_like(ids)], dim=1)
+            pos = start[:, None] + torch.arange(fed, device=device)
+            parts.append(model(input_ids=ids, attention_mask=mask, position_ids=pos,
+                               past_key_values=cache, use_cache=True).logits.float())
+        if first is None:  # position t of ``logits`` predicts token t of a row's sequence
+            parts.insert(0, parts[0][:, :1])  # never read: the question comes first
+        logits = torch.cat(parts, dim=1)
+        for b in range(rows):  # a row's answer sits after its own lead-in
+            gold = torch.tensor(golds[b][a], device=device)
+            at = logits[b, len(lead) + len(leads[b]):][:len(gold)]
+            logp = at.gather(-1, gold[:, None])[:, 0] - torch.logsumexp(at, dim=-1)
+            out[b].append(TeacherScore(float(logp.double().mean()),
+                                       bool((at.argmax(-1) == gold).all()),
+                                       tuple(golds[b][a]), tuple(leads[b])))
+    return out
+
+
+@dataclass
+class _Logits:  # the forward output ``decode`` reads its first step from
+    logits: Tensor

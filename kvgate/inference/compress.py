@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -297,9 +297,11 @@ def _answer_round(engine: Any, compressed: CompressedContext, questions: list[st
 
 @torch.no_grad()
 def answer_rows(engine: Any, compressed: CompressedContext, rows: list[list[int]],
-                max_new_tokens: int) -> list[list[int]]:
+                max_new_tokens: int, until: Callable[[Tensor], Tensor] | None = None,
+                ) -> list[list[int]]:
     """Question token ``rows`` (one per context, non-empty) fed over a fork of the cache,
-    then greedy decoding: the token ids per context, up to and with EOS."""
+    then greedy decoding: the token ids per context, up to and with EOS (or until ``until``
+    says a row is done: ``kvgate.inference.decode.decode``)."""
     device = engine.device
     q_ids, q_mask = left_pad(rows, pad_id(engine.tokenizer))
     q_ids, q_mask = q_ids.to(device), q_mask.to(device)
@@ -310,16 +312,18 @@ def answer_rows(engine: Any, compressed: CompressedContext, rows: list[list[int]
     grow_capacity(cache, q_mask.sum(-1))  # the question adds to the context; evicts nothing
     out = engine.model(input_ids=q_ids, attention_mask=mask, position_ids=positions,
                        past_key_values=cache, use_cache=True, logits_to_keep=1)
-    return decode_after(engine, out, mask, positions[:, -1:] + 1, cache, max_new_tokens)
+    return decode_after(engine, out, mask, positions[:, -1:] + 1, cache, max_new_tokens, until)
 
 
 def decode_after(engine: Any, out: Any, mask: Tensor, next_pos: Tensor, cache: Any,
-                 max_new_tokens: int) -> list[list[int]]:
+                 max_new_tokens: int, until: Callable[[Tensor], Tensor] | None = None,
+                 ) -> list[list[int]]:
     """Greedy decoding after a forward whose output is ``out`` (``kvgate.inference.decode``),
     each row cut after its EOS."""
     eos = getattr(engine.tokenizer, "eos_token_id", None)
     generated, _ = decode(engine.model, out, mask, next_pos, cache, max_new_tokens, eos,
-                          pad_id(engine.tokenizer), graphs=engine.graphs)
+                          pad_id(engine.tokenizer), graphs=engine.graphs,
+                          until=until)
     return [until_eos(row, eos) for row in generated]
 
 

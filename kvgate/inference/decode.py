@@ -20,7 +20,8 @@ def left_padded_positions(mask: Tensor) -> Tensor:
 def decode(model: nn.Module, out: Any, mask: Tensor, next_pos: Tensor, cache: Any,
            max_new_tokens: int, eos: int | None, pad: int | None,
            pick: Callable[[Tensor], Tensor] | None = None,
-           graphs: bool = False) -> tuple[list[list[int]], int]:
+           graphs: bool = False,
+           until: Callable[[Tensor], Tensor] | None = None) -> tuple[list[list[int]], int]:
     """Decode after a prefill whose output is ``out``: each step picks the next token of every
     row from its last logits (``pick``, default greedy), rows that met ``eos`` get ``pad``,
     until ``max_new_tokens`` or every row is done. ``mask`` [B, n] is the attention mask so far,
@@ -28,7 +29,8 @@ def decode(model: nn.Module, out: Any, mask: Tensor, next_pos: Tensor, cache: An
     over the cache frozen after the prefill (``kvgate.inference.graphed``: one CUDA graph
     replayed per step on CUDA, the same step eagerly elsewhere; policies that evict while
     decoding are refused), then append what they decoded to ``cache``, so that it holds what
-    eager decode leaves. Returns (tokens per row, forwards run)."""
+    eager decode leaves. ``until``: the tokens so far [B, t] -> [B] rows that are done (a stop
+rule besides ``eos``). Returns (tokens per row, forwards run)."""
     pick = pick or (lambda logits: logits.argmax(-1))
     batch = mask.shape[0]
     done = torch.zeros(batch, dtype=torch.bool, device=mask.device)
@@ -44,6 +46,8 @@ def decode(model: nn.Module, out: Any, mask: Tensor, next_pos: Tensor, cache: An
         tokens.append(nxt)
         if eos is not None:
             done = done | (nxt == eos)
+        if until is not None:
+            done = done | until(torch.stack(tokens, dim=1)).to(done.device)
         if len(tokens) == max_new_tokens or bool(done.all()):
             break
         if stepper is not None:

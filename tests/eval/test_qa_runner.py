@@ -1,6 +1,7 @@
 """The question-answering runner (``kvgate.eval.runner``): the records it stores for RULER
 and the needle equal those stored before it existed (``data/qa_records.json``); teacher
-scoring's greedy-exact is greedy generation starting with the gold answer."""
+scoring's greedy-exact is greedy generation starting with the gold answer (after its
+formatting lead-in)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from eval_fakes import CharTokenizer
 from qa_records import SNAPSHOT, records
 
 from kvgate.eval.asked import Question, ask_agnostic, ask_query_aware
+from kvgate.eval.teacher import answer_tokens, formatting_lead_in
 from kvgate.policies import Budget, get_policy
 
 
@@ -49,3 +51,38 @@ def test_greedy_exact_is_greedy_generation_starting_with_the_gold_answer(policy)
         assert [t.exact for t in asked.teacher] == [True, True, True, False, False]
         assert all(t.ll < 0 for t in asked.teacher)
         assert asked.teacher[0].ll > asked.teacher[3].ll  # the argmax beats another token
+
+
+@pytest.mark.parametrize("text,final,want", [
+    (":\n\n1. 5432133", False, 6), ("- 3022203", False, 2), ("5432133", False, 0),
+    ("1", False, None), ("1.", False, None), (":\n\n1. ", False, None), ("195", False, 0),
+    ("12", True, 0), ("\n\n", True, 2), ("12. x", False, 4), (" Cancer", False, 1)])
+def test_formatting_lead_in_is_decided_only_once_the_text_leaves_it(text, final, want):
+    assert formatting_lead_in(text, final) == want
+
+
+@pytest.mark.parametrize("policy", ["full", "snapkv"])
+def test_greedy_exact_reads_the_gold_answer_after_the_greedy_lead_in(policy):
+    """Where greedy generation opens with formatting (here a new line or a tab), greedy-exact
+    must say whether the generation continues with the gold answer after that lead-in, both
+    when the lead-in is read from the generation and when teacher scoring decodes it alone."""
+    model = build(tiny_llama_config(max_position_embeddings=640))
+    tok = CharTokenizer()
+    g = torch.Generator().manual_seed(11)  # a seed whose generations open with formatting
+    context = tuple(torch.randint(3, 128, (80,), generator=g).tolist())
+    question = tuple(torch.randint(3, 128, (6,), generator=g).tolist())
+    pol, budget = get_policy(policy), Budget(ratio=0.5)
+    for ask in (ask_agnostic, ask_query_aware):
+        made = ask(model, tok, context, Question(question, 10), pol, budget, ["generate"])
+        end = formatting_lead_in(made.text, final=True)
+        assert end >= 1
+        rest = made.text[end:]
+        other = [chr(32 + (ord(c) - 31) % 90) for c in rest[:3]]
+        texts = (rest[:1], rest[:3], rest[:5], other[0] + rest[1:3], rest[:2] + other[2])
+        gold = tuple(answer_tokens(tok, "?", t) for t in texts)  # as right after a question
+        for scores in (["generate", "teacher"], ["teacher"]):
+            asked = ask(model, tok, context, Question(question, 10, gold, texts), pol, budget,
+                        scores)
+            assert [t.exact for t in asked.teacher] == [True, True, True, False, False]
+            assert all(tok.decode(list(t.lead)) == made.text[:end] for t in asked.teacher)
+            assert asked.teacher[0].tokens == tuple(tok(rest[:1], False)["input_ids"])
