@@ -18,6 +18,7 @@ from kvgate.cache.compressed import CompressedCache, _Layer
 from kvgate.cache.errors import CacheError
 from kvgate.cache.ragged import RaggedStore
 from kvgate.policies.contract import DecodeEvicting
+from kvgate.policies.full import Full
 
 
 def _fork_layer(layer: _Layer) -> _Layer:
@@ -53,20 +54,23 @@ def grow_capacity(cache: CompressedCache, extra: Tensor) -> None:
             layer.capacity = layer.capacity + extra.to(layer.capacity)[:, None]
 
 
-def stack_caches(caches: Sequence[CompressedCache]) -> CompressedCache:
+def stack_caches(caches: Sequence[CompressedCache], append_only: bool = False,
+                 ) -> CompressedCache:
     """The rows of several filled caches of the same prompt length as one batch, so their
     continuations decode together (one forward per token for all of them).
 
     Made for one context compressed under several policies or budgets (``SharedPrefill``):
     every cache must have seen the same tokens; a decode-evicting policy only stacks with its
-    own policy object (the batch decodes under one policy). The stacked cache shares the
-    caches' K/V; nothing of theirs is modified.
+    own policy object (the batch decodes under one policy), unless ``append_only``: then any
+    caches stack and the batch appends what follows without evicting (teacher scoring feeds
+    its tokens so under every policy). The stacked cache shares the caches' K/V; nothing of
+    theirs is modified.
     """
     if not caches or any(not isinstance(c, CompressedCache) for c in caches):
         raise CacheError("stack_caches takes a non-empty list of CompressedCache")
     lead = caches[0]
     evicting = [c for c in caches if isinstance(c.policy, DecodeEvicting)]
-    if evicting and any(c.policy is not lead.policy for c in caches):
+    if evicting and not append_only and any(c.policy is not lead.policy for c in caches):
         raise CacheError("a decode-evicting policy's cache stacks only with caches of the same "
                          "policy object (the batch decodes under one policy)")
     for c in caches:
@@ -77,6 +81,8 @@ def stack_caches(caches: Sequence[CompressedCache]) -> CompressedCache:
                              "and nothing appended since the prefill")
     twin = copy.copy(lead)
     twin.layers = [_stack_layers([c.layers[i] for c in caches]) for i in range(lead.num_layers)]
+    if append_only:
+        twin.policy = Full()  # appends, never evicts
     return twin
 
 

@@ -117,16 +117,20 @@ def ask_shared(model: nn.Module, tokenizer: Any, context: Sequence[int], questio
     t0 = time.perf_counter()
     compressed, own = compress_rows_shared(engine, [list(context)], variants)
     prefill = time.perf_counter() - t0 - sum(own.values())
+    # generation decodes each decode-evicting policy's rows under it; teacher scoring alone
+    # appends under every policy, so all variants answer as one batch
+    append_only = "generate" not in scores
     groups: dict[Any, list[str]] = {}
     for name, (policy, _) in variants.items():
-        groups.setdefault(id(policy) if isinstance(policy, DecodeEvicting) else None,
-                          []).append(name)
+        evicting = isinstance(policy, DecodeEvicting) and not append_only
+        groups.setdefault(id(policy) if evicting else None, []).append(name)
     out = {}
     for names in groups.values():
         t1 = time.perf_counter()
         one = compressed[names[0]]
         rows = len(names)
-        batch = CompressedContext(stack_caches([compressed[n].cache for n in names]),
+        batch = CompressedContext(stack_caches([compressed[n].cache for n in names],
+                                               append_only),
                                   one.input_ids.expand(rows, -1),
                                   one.attention_mask.expand(rows, -1), one.chat, one.suffix)
         texts, teacher = _ask(engine, batch, question, scores, rows)

@@ -12,11 +12,13 @@ therefore decodes greedily for at most :data:`LEAD_TOKENS` tokens until the text
 formatting (:func:`formatting_lead_in`: white space, ``:``, ``-``, ``*``, ``#``, ``>``,
 quotes, then at most one list marker such as ``1.``), and feeds the gold answer after that
 lead-in (re-tokenised as it would follow it). Where answers are also generated, the lead-in is
-read from the generation instead (the same greedy tokens, no extra step). A record keeps the
+read from the generation instead (no extra step; the same tokens unless a policy evicted
+during them). A record keeps the
 lead-in's tokens and the answer's, so the score is reproducible.
 
 One forward per gold answer (plus the few lead-in steps) instead of a decode step per generated
-token. The answer's tokens add to the cache and evict nothing (as the question does), so for a
+token. The lead-in's and answer's tokens add to the cache and evict nothing (as the question
+does; several policies' caches then answer as one batch), so for a
 policy that evicts while decoding (H2O, TOVA, ...) greedy-exact can differ from what its
 decoding would give on long answers.
 """
@@ -117,7 +119,6 @@ def teacher_scores(engine, compressed, question, first: Tensor | None = None,
     row's greedy generation when it ran (its start is the lead-in), else the lead-in is
     decoded here; no lead-in without the answers' texts (``question.texts``)."""
     from kvgate.cache.fork import fork_cache, grow_capacity
-    from kvgate.inference.compress import answer_rows, decode_after
     from kvgate.models.load import pad_id
 
     model, tok = engine.model, engine.tokenizer
@@ -132,15 +133,7 @@ def teacher_scores(engine, compressed, question, first: Tensor | None = None,
         leads = [()] * rows
     else:
         if greedy is None:
-            rule = lead_in_rule(tok)
-            if lead:
-                greedy = answer_rows(engine, compressed, [lead] * rows, LEAD_TOKENS, rule)
-            else:
-                mask = compressed.attention_mask
-                cache = fork_cache(compressed.cache)
-                out = _Logits(first[:, None])
-                greedy = decode_after(engine, out, mask, mask.sum(-1, keepdim=True), cache,
-                                      LEAD_TOKENS, rule)
+            greedy = _greedy_lead(engine, compressed, lead, first)
         leads = [lead_in_tokens(tok, g[:LEAD_TOKENS], eos) for g in greedy]
     golds = [gold_after_lead(tok, question, leads[b]) for b in range(rows)]
     device = compressed.attention_mask.device
@@ -176,3 +169,30 @@ def teacher_scores(engine, compressed, question, first: Tensor | None = None,
 @dataclass
 class _Logits:  # the forward output ``decode`` reads its first step from
     logits: Tensor
+
+
+def _greedy_lead(engine, compressed, lead: list[int], first: Tensor | None) -> list[list[int]]:
+    """Greedy tokens after the question (``lead``; or after ``first``'s logits), over a fork
+    that evicts nothing (as the answer is fed), until each row's lead-in is decided."""
+    from kvgate.cache.fork import fork_cache, grow_capacity
+    from kvgate.inference.decode import decode
+    from kvgate.models.load import pad_id
+
+    model, tok = engine.model, engine.tokenizer
+    rows = compressed.batch
+    cache = fork_cache(compressed.cache)
+    grow_capacity(cache, torch.full((rows,), len(lead) + LEAD_TOKENS))
+    mask = compressed.attention_mask
+    start = mask.sum(-1, keepdim=True)
+    if lead:
+        ids = torch.tensor([lead] * rows, device=mask.device)
+        mask = torch.cat([mask, torch.ones_like(ids)], dim=1)
+        out = model(input_ids=ids, attention_mask=mask,
+                    position_ids=start + torch.arange(len(lead), device=mask.device),
+                    past_key_values=cache, use_cache=True, logits_to_keep=1)
+    else:
+        out = _Logits(first[:, None])
+    tokens, _ = decode(model, out, mask, start + len(lead), cache, LEAD_TOKENS,
+                       getattr(tok, "eos_token_id", None), pad_id(tok),
+                       until=lead_in_rule(tok))
+    return tokens

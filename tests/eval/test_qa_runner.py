@@ -13,7 +13,7 @@ from conftest import build, tiny_llama_config
 from eval_fakes import CharTokenizer
 from qa_records import SNAPSHOT, records
 
-from kvgate.eval.asked import Question, ask_agnostic, ask_query_aware
+from kvgate.eval.asked import Question, ask_agnostic, ask_query_aware, ask_shared
 from kvgate.eval.teacher import answer_tokens, formatting_lead_in
 from kvgate.policies import Budget, get_policy
 
@@ -86,3 +86,24 @@ def test_greedy_exact_reads_the_gold_answer_after_the_greedy_lead_in(policy):
             assert [t.exact for t in asked.teacher] == [True, True, True, False, False]
             assert all(tok.decode(list(t.lead)) == made.text[:end] for t in asked.teacher)
             assert asked.teacher[0].tokens == tuple(tok(rest[:1], False)["input_ids"])
+
+
+def test_teacher_scoring_of_shared_variants_equals_each_alone():
+    """Teacher scoring alone answers every variant of a shared prefill as one batch, a
+    decode-evicting policy (H2O) among them: the same scores as each variant asked alone."""
+    model = build(tiny_llama_config(max_position_embeddings=640))
+    tok = CharTokenizer()
+    g = torch.Generator().manual_seed(11)
+    context = tuple(torch.randint(3, 128, (80,), generator=g).tolist())
+    question = tuple(torch.randint(3, 128, (6,), generator=g).tolist())
+    texts = ("ab", "\tc")
+    q = Question(question, 10, tuple(answer_tokens(tok, "?", t) for t in texts), texts)
+    variants = {"full": (get_policy("full"), Budget(ratio=1.0)),
+                "h2o": (get_policy("h2o"), Budget(ratio=0.5)),
+                "snapkv": (get_policy("snapkv"), Budget(ratio=0.5))}
+    shared = ask_shared(model, tok, context, q, variants, ["teacher"])
+    for name, (pol, bud) in variants.items():
+        alone = ask_agnostic(model, tok, context, q, pol, bud, ["teacher"])
+        for a, b in zip(shared[name].teacher, alone.teacher):
+            assert (a.exact, a.tokens, a.lead) == (b.exact, b.tokens, b.lead), name
+            assert a.ll == pytest.approx(b.ll, abs=1e-4), name
