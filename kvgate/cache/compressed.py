@@ -11,7 +11,8 @@ and returns a keep mask; the prompt attends fully (or under the eq. 5 mask for a
 ``EncodeMasking`` policy, or block by block for a ``StreamingPrefill`` one), then only kept
 entries are stored (``RaggedStore``). Later calls append new tokens and attend over the ragged
 store; a ``DecodeEvicting`` policy holds each head at a capacity through
-``decode_init`` / ``decode_select``. The policy's contract is read from its class
+``decode_init`` / ``decode_select`` (a ``RowScoring`` one also scores each new entry from its
+own row, ``row_stats``). The policy's contract is read from its class
 (``kvgate.policies.contract``), never probed.
 
 Positions: a cache that evicts holds fewer entries than tokens seen, so everything that
@@ -51,6 +52,7 @@ from kvgate.policies.contract import (
     LayerPrompt,
     Policy,
     PolicyError,
+    RowScoring,
     StreamingPrefill,
     prefill_band,
 )
@@ -242,9 +244,9 @@ class CompressedCache(HandlerCache):
         if self._pass_valid is not None and layer.store is not None:
             return pass_attention(self, layer, module, query, key, value, self._pass_valid,
                                   scaling, hidden, window), None
+        previous = (context.call(module.layer_idx - 1).hidden
+                    if context is not None and module.layer_idx > 0 else None)
         if layer.store is None:
-            previous = (context.call(module.layer_idx - 1).hidden
-                        if context is not None and module.layer_idx > 0 else None)
             prompt = LayerPrompt(module.layer_idx, self.num_layers, query, key, value, valid,
                                  scaling, hidden, module, position_embeddings, previous)
             out = self._prefill(layer, prompt, attention_mask, window, kwargs)
@@ -255,8 +257,14 @@ class CompressedCache(HandlerCache):
             if layer.store.batch != b:
                 raise CacheError(f"batch of {b} rows, but this cache was filled with "
                                  f"{layer.store.batch}; use a new cache for a new batch")
+            written = None
+            if isinstance(self.policy, RowScoring):  # the new rows score their own entries
+                written = LayerPrompt(module.layer_idx, self.num_layers, query, key, value,
+                                      valid, scaling, hidden, module, position_embeddings,
+                                      previous)
             out = self._step(layer, query, key, value, valid, scaling, window,
-                             all_valid=True if attention_mask is None else None)
+                             all_valid=True if attention_mask is None else None,
+                             written=written)
         return out, None
 
     def _prefill(self, layer: _Layer, prompt: LayerPrompt, mask: Tensor | None,
@@ -352,9 +360,10 @@ class CompressedCache(HandlerCache):
         lo = n0
         while lo < n:  # a loop over blocks, like decode steps
             hi = n - ((n - lo - 1) // block) * block  # next aligned boundary above lo
+            written = prompt.span(lo, hi) if isinstance(self.policy, RowScoring) else None
             outs.append(self._step(layer, query[:, :, lo:hi], key[:, :, lo:hi],
                                    value[:, :, lo:hi], valid[:, lo:hi], scaling, window,
-                                   evict=True, prefill=True))
+                                   evict=True, prefill=True, written=written))
             lo = hi
         if layer.store.tail_len:  # padding rows may still sit in the tail
             kept = layer.store.rebuild(layer.store.slot_valid())
@@ -363,11 +372,13 @@ class CompressedCache(HandlerCache):
 
     def _step(self, layer: _Layer, query: Tensor, key: Tensor, value: Tensor, valid: Tensor,
               scaling: float, window: int | None, evict: bool | None = None,
-              prefill: bool = False, all_valid: bool | None = None) -> Tensor:
+              prefill: bool = False, all_valid: bool | None = None,
+              written: LayerPrompt | None = None) -> Tensor:
         """New rows after the prefill (decode steps, or prompt blocks when streaming).
 
         ``all_valid``: True when the caller knows no new row is padding (no mask was given),
-        which spares a device sync per layer.
+        which spares a device sync per layer. ``written``: the new rows as a ``LayerPrompt``,
+        for a ``RowScoring`` policy.
         """
         store = layer.store
         r = key.shape[2]
@@ -403,16 +414,26 @@ class CompressedCache(HandlerCache):
         layer.seen += r
         layer.real_seen = layer.real_seen + (r if all_valid else valid.sum(-1))
         if evict:
-            self._select(layer, logits, positions >= 0, positions, prefill)
+            fresh = {} if written is None else self.policy.row_stats(written)
+            self._select(layer, logits, positions >= 0, positions, prefill, fresh)
         return out
 
     def _select(self, layer: _Layer, logits: Tensor, slot_valid: Tensor, positions: Tensor,
-                prefill: bool) -> None:
-        """One ``decode_select`` round; rebuild the store only when something was evicted."""
+                prefill: bool, fresh: dict[str, Tensor] | None = None) -> None:
+        """One ``decode_select`` round; rebuild the store only when something was evicted.
+        ``fresh``: a ``RowScoring`` policy's statistics of the new rows ``[B, H_kv, r]``,
+        which fill the last r slots (the tail's newest tokens); other new slots start at 0."""
         store = layer.store
         b, hk, t = slot_valid.shape
-        stats = {k: torch.cat([v, v.new_zeros(b, hk, t - v.shape[-1])], dim=-1)
-                 for k, v in layer.stats.items()}
+        fresh = fresh or {}
+        stats = {}
+        for k in [*layer.stats, *(k for k in fresh if k not in layer.stats)]:
+            old, new = layer.stats.get(k), fresh.get(k)
+            if old is None:
+                old = slot_valid.new_zeros(b, hk, 0, dtype=torch.float32)
+            r = 0 if new is None else new.shape[-1]
+            parts = [old, old.new_zeros(b, hk, t - old.shape[-1] - r)]
+            stats[k] = torch.cat(parts if new is None else [*parts, new.to(old.dtype)], dim=-1)
         stats, keep = self.policy.decode_select(stats, logits, slot_valid, positions,
                                                 layer.capacity, prefill=prefill)
         if keep.shape != slot_valid.shape:

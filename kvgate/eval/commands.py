@@ -95,11 +95,12 @@ def load_model(cfg: EvalConfig) -> Loaded:
 
 
 def needs_gate(policy: Policy) -> bool:
-    """A learned-gate policy (``attention_gate`` and the hybrids built on it): it runs only on a
-    gated model."""
+    """A learned-gate policy (``attention_gate``, the hybrids built on it, ``local_gate``): it
+    runs only on a gated model."""
     from kvgate.policies.attention_gate import AttentionGatePolicy
+    from kvgate.policies.local_gate import LocalGatePolicy
 
-    return isinstance(policy, AttentionGatePolicy)
+    return isinstance(policy, (AttentionGatePolicy, LocalGatePolicy))
 
 
 def _loaded(cfg: EvalConfig, load: Loader | None,

@@ -17,6 +17,7 @@ from kvgate.policies.gate_hybrid import GateHybrid
 from kvgate.policies.h2o import H2O
 from kvgate.policies.knorm import KNorm
 from kvgate.policies.kvzip import KVzip
+from kvgate.policies.local_gate import LocalGatePolicy
 from kvgate.policies.nacl import NaCl
 from kvgate.policies.pyramidkv import PyramidKV
 from kvgate.policies.random_keep import RandomKeep
@@ -46,6 +47,7 @@ POLICIES: dict[str, type[Policy]] = {
     "kvzip": KVzip,
     "attention_gate": AttentionGatePolicy,
     "gate_hybrid": GateHybrid,
+    "local_gate": LocalGatePolicy,
 }
 
 

@@ -11,7 +11,7 @@ from kvgate.cache import CompressedCache
 from kvgate.policies import PassScoring, get_policy, list_policies, policy_class
 from kvgate.policies.base import Budget, DecodeEvicting
 
-LEARNED = {"attention_gate", "gate_hybrid"}  # need a gated model: tested below and in
+LEARNED = {"attention_gate", "gate_hybrid", "local_gate"}  # need a gated model: tested below and in
 # tests/policies; a PassScoring policy (kvzip) needs its extra passes, which model.generate
 # does not run: tests/policies/test_kvzip.py runs it through the engine
 HEURISTICS = [name for name in list_policies()
