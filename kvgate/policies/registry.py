@@ -27,8 +27,8 @@ from kvgate.policies.streaming import Streaming
 from kvgate.policies.tova import TOVA
 from kvgate.policies.window import Window
 
-__all__ = ["POLICIES", "get_policy", "list_policies", "policy_class", "policy_options",
-           "policy_spec"]
+__all__ = ["POLICIES", "gate_policy_name", "get_policy", "list_policies", "policy_class",
+           "policy_options", "policy_spec"]
 
 POLICIES: dict[str, type[Policy]] = {
     "full": Full,
@@ -54,6 +54,14 @@ POLICIES: dict[str, type[Policy]] = {
 def list_policies() -> list[str]:
     """Every policy name that ``get_policy`` accepts."""
     return list(POLICIES)
+
+
+def gate_policy_name(kind: str | None) -> str:
+    """The policy that serves a gated model of ``kind`` by default: ``local_gate`` for a local
+    kind (it scores and evicts while decoding too), ``attention_gate`` otherwise."""
+    from kvgate.gate.kinds import GATES
+
+    return "local_gate" if kind in GATES and GATES[kind].local else "attention_gate"
 
 
 def policy_class(name: str) -> type[Policy]:
