@@ -34,6 +34,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from kvgate.attention.decode import KVPart, multipart_attention
 from kvgate.cache.capacity import check_decode_budget, decode_capacity
 from kvgate.cache.errors import CacheError
+from kvgate.cache.evict import decode_round
 from kvgate.cache.handler import HandlerCache
 from kvgate.cache.passes import defers_choice, pass_attention, stash_layer
 from kvgate.cache.prefill import (
@@ -415,35 +416,8 @@ class CompressedCache(HandlerCache):
         layer.real_seen = layer.real_seen + (r if all_valid else valid.sum(-1))
         if evict:
             fresh = {} if written is None else self.policy.row_stats(written)
-            self._select(layer, logits, positions >= 0, positions, prefill, fresh)
+            decode_round(self.policy, layer, logits, positions, prefill, fresh)
         return out
-
-    def _select(self, layer: _Layer, logits: Tensor, slot_valid: Tensor, positions: Tensor,
-                prefill: bool, fresh: dict[str, Tensor] | None = None) -> None:
-        """One ``decode_select`` round; rebuild the store only when something was evicted.
-        ``fresh``: a ``RowScoring`` policy's statistics of the new rows ``[B, H_kv, r]``,
-        which fill the last r slots (the tail's newest tokens); other new slots start at 0."""
-        store = layer.store
-        b, hk, t = slot_valid.shape
-        fresh = fresh or {}
-        stats = {}
-        for k in [*layer.stats, *(k for k in fresh if k not in layer.stats)]:
-            old, new = layer.stats.get(k), fresh.get(k)
-            if old is None:
-                old = slot_valid.new_zeros(b, hk, 0, dtype=torch.float32)
-            r = 0 if new is None else new.shape[-1]
-            parts = [old, old.new_zeros(b, hk, t - old.shape[-1] - r)]
-            stats[k] = torch.cat(parts if new is None else [*parts, new.to(old.dtype)], dim=-1)
-        stats, keep = self.policy.decode_select(stats, logits, slot_valid, positions,
-                                                layer.capacity, prefill=prefill)
-        if keep.shape != slot_valid.shape:
-            raise PolicyError(f"policy {self.policy.name!r}: decode_select returned keep of "
-                              f"shape {tuple(keep.shape)}, expected {tuple(slot_valid.shape)}")
-        keep = keep.to(torch.bool) & slot_valid
-        if bool((keep != slot_valid).any()):
-            kept = store.rebuild(keep)
-            stats = {k: store.realign(v, kept) for k, v in stats.items()}
-        layer.stats = dict(stats)
 
     # ----------------------------------------------------------------- helpers
 
