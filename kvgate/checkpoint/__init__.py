@@ -59,9 +59,9 @@ from kvgate.checkpoint.place import (
 from kvgate.models.load import check_device
 
 __all__ = ["ADAPTER_DIR", "CONFIG_NAME", "FORMAT", "FORMAT_VERSION", "GATES_NAME", "MERGED_DIR",
-           "TOKENIZER_DIR", "CheckpointError", "check_base", "export_gated", "gate_kind", "gate_state",
-           "is_gated_export", "load_gate_weights", "load_gated", "merged_state", "read_meta",
-           "remove_stale_temporaries", "sha256_file"]
+           "TOKENIZER_DIR", "CheckpointError", "check_base", "export_gated", "gate_kind",
+           "gate_state", "is_gated_export", "load_gate_weights", "load_gated", "merged_state",
+           "read_meta", "remove_stale_temporaries", "sha256_file"]
 
 
 # ----------------------------------------------------------------------------- helpers

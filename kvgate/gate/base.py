@@ -41,7 +41,8 @@ class Gate(GatedRoute):
         # Off while the gate should not act (gates-open teacher, LoRA-only training, decode).
         self.active = True
 
-    def scores(self, hidden: Tensor, position_embeddings=None, attend: Tensor | None = None) -> Tensor:
+    def scores(self, hidden: Tensor, position_embeddings=None,
+               attend: Tensor | None = None) -> Tensor:
         """Raw gate scores ``[B, H_gate, n]`` (before gamma and the sigmoid), in fp32.
         hidden [B, n, D]; position_embeddings the rotary (cos, sin) and attend [B, 1, n, n]
         bool (None = causal) serve the attention kind; a local kind ignores them."""

@@ -40,7 +40,8 @@ class LinearGate(Gate):
         nn.init.zeros_(self.proj.weight)  # wide open: see the module docstring
         nn.init.zeros_(self.proj.bias)
 
-    def scores(self, hidden: Tensor, position_embeddings=None, attend: Tensor | None = None) -> Tensor:
+    def scores(self, hidden: Tensor, position_embeddings=None,
+               attend: Tensor | None = None) -> Tensor:
         return self.proj(hidden.to(self.proj.weight.dtype)).float().transpose(1, 2)
 
     def extra_repr(self) -> str:
@@ -67,7 +68,8 @@ class MLPGate(Gate):
         nn.init.zeros_(self.down.weight)  # wide open: see the module docstring
         nn.init.zeros_(self.down.bias)
 
-    def scores(self, hidden: Tensor, position_embeddings=None, attend: Tensor | None = None) -> Tensor:
+    def scores(self, hidden: Tensor, position_embeddings=None,
+               attend: Tensor | None = None) -> Tensor:
         x = hidden.to(self.up.weight.dtype)
         return self.down(nn.functional.gelu(self.up(x))).float().transpose(1, 2)
 

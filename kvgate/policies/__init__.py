@@ -1,5 +1,6 @@
 """Eviction policies: one file each, one contract (``contract.Policy.keep`` -> [B, H_kv, n] mask,
-extended by ``DecodeEvicting``, ``RowScoring``, ``StreamingPrefill``, ``EncodeMasking`` and ``PassScoring``).
+extended by ``DecodeEvicting``, ``RowScoring``, ``StreamingPrefill``, ``EncodeMasking`` and
+``PassScoring``).
 
 ``get_policy("snapkv", window=32)`` builds one by name; ``list_policies()`` lists the names.
 """

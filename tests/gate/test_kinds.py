@@ -190,7 +190,7 @@ def test_local_gate_policy_needs_a_local_gate_and_checks_its_options():
     model = build(tiny_llama_config())
     kvgate.patch(model, GateConfig())
     ids, mask, pos = _inputs()
-    with pytest.raises(PolicyError, match="needs a local gate .* kind 'attention': use attention_gate"):
+    with pytest.raises(PolicyError, match="local gate .* kind 'attention': use attention_gate"):
         model(ids, attention_mask=mask, position_ids=pos,
               past_key_values=CompressedCache(model, get_policy("local_gate"), 1.0))
     assert isinstance(get_policy("local_gate"), RowScoring)
