@@ -18,7 +18,9 @@ full attention and thresholds the stored entries afterwards, as KVzap's prefill 
 
 ``tau`` (default: the trained gate's) dials the threshold as for ``attention_gate``. The
 budget does not enter (``budget_free``): the eviction ratio is what the gate's scores give.
-The gate's ``sinks`` are the prompt's first tokens and stay; decode rows are never sinks.
+The gate's ``sinks`` are the prompt's first tokens and stay (decode rows are never sinks), as
+do the last ``recent`` prompt tokens of a gate trained one-shot (``GateConfig.prefill`` full),
+which it trained to keep.
 """
 
 from __future__ import annotations
