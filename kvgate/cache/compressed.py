@@ -11,7 +11,8 @@ and returns a keep mask; the prompt attends fully (or under the eq. 5 mask for a
 ``EncodeMasking`` policy, or block by block for a ``StreamingPrefill`` one), then only kept
 entries are stored (``RaggedStore``). Later calls append new tokens and attend over the ragged
 store; a ``DecodeEvicting`` policy holds each head at a capacity through
-``decode_init`` / ``decode_select``. The policy's contract is read from its class
+``decode_init`` / ``decode_select`` (a ``RowScoring`` one also scores each new entry from its
+own row, ``row_stats``). The policy's contract is read from its class
 (``kvgate.policies.contract``), never probed.
 
 Positions: a cache that evicts holds fewer entries than tokens seen, so everything that
@@ -33,6 +34,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from kvgate.attention.decode import KVPart, multipart_attention
 from kvgate.cache.capacity import check_decode_budget, decode_capacity
 from kvgate.cache.errors import CacheError
+from kvgate.cache.evict import decode_round
 from kvgate.cache.handler import HandlerCache
 from kvgate.cache.passes import defers_choice, pass_attention, stash_layer
 from kvgate.cache.prefill import (
@@ -51,6 +53,7 @@ from kvgate.policies.contract import (
     LayerPrompt,
     Policy,
     PolicyError,
+    RowScoring,
     StreamingPrefill,
     prefill_band,
 )
@@ -242,9 +245,9 @@ class CompressedCache(HandlerCache):
         if self._pass_valid is not None and layer.store is not None:
             return pass_attention(self, layer, module, query, key, value, self._pass_valid,
                                   scaling, hidden, window), None
+        previous = (context.call(module.layer_idx - 1).hidden
+                    if context is not None and module.layer_idx > 0 else None)
         if layer.store is None:
-            previous = (context.call(module.layer_idx - 1).hidden
-                        if context is not None and module.layer_idx > 0 else None)
             prompt = LayerPrompt(module.layer_idx, self.num_layers, query, key, value, valid,
                                  scaling, hidden, module, position_embeddings, previous)
             out = self._prefill(layer, prompt, attention_mask, window, kwargs)
@@ -255,8 +258,14 @@ class CompressedCache(HandlerCache):
             if layer.store.batch != b:
                 raise CacheError(f"batch of {b} rows, but this cache was filled with "
                                  f"{layer.store.batch}; use a new cache for a new batch")
+            written = None
+            if isinstance(self.policy, RowScoring):  # the new rows score their own entries
+                written = LayerPrompt(module.layer_idx, self.num_layers, query, key, value,
+                                      valid, scaling, hidden, module, position_embeddings,
+                                      previous)
             out = self._step(layer, query, key, value, valid, scaling, window,
-                             all_valid=True if attention_mask is None else None)
+                             all_valid=True if attention_mask is None else None,
+                             written=written)
         return out, None
 
     def _prefill(self, layer: _Layer, prompt: LayerPrompt, mask: Tensor | None,
@@ -352,9 +361,10 @@ class CompressedCache(HandlerCache):
         lo = n0
         while lo < n:  # a loop over blocks, like decode steps
             hi = n - ((n - lo - 1) // block) * block  # next aligned boundary above lo
+            written = prompt.span(lo, hi) if isinstance(self.policy, RowScoring) else None
             outs.append(self._step(layer, query[:, :, lo:hi], key[:, :, lo:hi],
                                    value[:, :, lo:hi], valid[:, lo:hi], scaling, window,
-                                   evict=True, prefill=True))
+                                   evict=True, prefill=True, written=written))
             lo = hi
         if layer.store.tail_len:  # padding rows may still sit in the tail
             kept = layer.store.rebuild(layer.store.slot_valid())
@@ -363,11 +373,13 @@ class CompressedCache(HandlerCache):
 
     def _step(self, layer: _Layer, query: Tensor, key: Tensor, value: Tensor, valid: Tensor,
               scaling: float, window: int | None, evict: bool | None = None,
-              prefill: bool = False, all_valid: bool | None = None) -> Tensor:
+              prefill: bool = False, all_valid: bool | None = None,
+              written: LayerPrompt | None = None) -> Tensor:
         """New rows after the prefill (decode steps, or prompt blocks when streaming).
 
         ``all_valid``: True when the caller knows no new row is padding (no mask was given),
-        which spares a device sync per layer.
+        which spares a device sync per layer. ``written``: the new rows as a ``LayerPrompt``,
+        for a ``RowScoring`` policy.
         """
         store = layer.store
         r = key.shape[2]
@@ -403,26 +415,9 @@ class CompressedCache(HandlerCache):
         layer.seen += r
         layer.real_seen = layer.real_seen + (r if all_valid else valid.sum(-1))
         if evict:
-            self._select(layer, logits, positions >= 0, positions, prefill)
+            fresh = {} if written is None else self.policy.row_stats(written)
+            decode_round(self.policy, layer, logits, positions, prefill, fresh)
         return out
-
-    def _select(self, layer: _Layer, logits: Tensor, slot_valid: Tensor, positions: Tensor,
-                prefill: bool) -> None:
-        """One ``decode_select`` round; rebuild the store only when something was evicted."""
-        store = layer.store
-        b, hk, t = slot_valid.shape
-        stats = {k: torch.cat([v, v.new_zeros(b, hk, t - v.shape[-1])], dim=-1)
-                 for k, v in layer.stats.items()}
-        stats, keep = self.policy.decode_select(stats, logits, slot_valid, positions,
-                                                layer.capacity, prefill=prefill)
-        if keep.shape != slot_valid.shape:
-            raise PolicyError(f"policy {self.policy.name!r}: decode_select returned keep of "
-                              f"shape {tuple(keep.shape)}, expected {tuple(slot_valid.shape)}")
-        keep = keep.to(torch.bool) & slot_valid
-        if bool((keep != slot_valid).any()):
-            kept = store.rebuild(keep)
-            stats = {k: store.realign(v, kept) for k, v in stats.items()}
-        layer.stats = dict(stats)
 
     # ----------------------------------------------------------------- helpers
 

@@ -59,9 +59,9 @@ from kvgate.checkpoint.place import (
 from kvgate.models.load import check_device
 
 __all__ = ["ADAPTER_DIR", "CONFIG_NAME", "FORMAT", "FORMAT_VERSION", "GATES_NAME", "MERGED_DIR",
-           "TOKENIZER_DIR", "CheckpointError", "check_base", "export_gated", "gate_state",
-           "is_gated_export", "load_gate_weights", "load_gated", "merged_state", "read_meta",
-           "remove_stale_temporaries", "sha256_file"]
+           "TOKENIZER_DIR", "CheckpointError", "check_base", "export_gated", "gate_kind",
+           "gate_state", "is_gated_export", "load_gate_weights", "load_gated", "merged_state",
+           "read_meta", "remove_stale_temporaries", "sha256_file"]
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -234,6 +234,17 @@ def read_meta(path: str | os.PathLike, verify: bool = True) -> dict[str, Any]:
             if sha256_file(file) != info.get("sha256"):
                 raise CheckpointError(f"{file}: corrupt (sha256 does not match {CONFIG_NAME})")
     return meta
+
+
+def gate_kind(path: str | os.PathLike) -> str | None:
+    """The gate kind a checkpoint's config records, read without checking its files: None
+    when it is not gated or cannot be read (loading it then says why); "attention" for exports
+    written before ``GateConfig.kind`` existed."""
+    try:
+        gate = read_meta(path, verify=False).get("gate")
+    except CheckpointError:
+        return None
+    return gate.get("kind", "attention") if isinstance(gate, dict) else None
 
 
 def _load_base_for(meta: dict[str, Any], root: Path, base: Any, dtype: Any) -> tuple[Any, Any]:

@@ -54,8 +54,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                                      "or hub id")
     src.add_argument("--checkpoint", help="exported gated checkpoint folder")
     p.add_argument("--policy", default=None,
-                   help="eviction policy name (default: attention_gate with --checkpoint, "
-                        "else full)")
+                   help="eviction policy name (default: with --checkpoint, local_gate for a "
+                        "local gate kind (mlp, linear) and attention_gate otherwise; else full)")
     p.add_argument("--budget", default="1.0",
                    help="kept entries per KV head: ratio in (0, 1] or tokens > 1 (default 1.0)")
     p.add_argument("--decode-budget", default=None,
@@ -134,16 +134,19 @@ def _load(args: argparse.Namespace):
 
 
 def run(args: argparse.Namespace) -> int:
+    from kvgate.checkpoint import gate_kind
     from kvgate.inference import Engine
     from kvgate.models.load import check_device
     from kvgate.policies import get_policy
     from kvgate.policies.base import Budget, PolicyError
     from kvgate.policies.contract import DecodeEvicting
+    from kvgate.policies.registry import gate_policy_name
 
     # everything that can be checked without the model is checked first (fast errors)
     budget = Budget.parse(args.budget)
     decode_budget = _parse_decode_budget(args.decode_budget)
-    name = args.policy or ("attention_gate" if args.checkpoint else "full")
+    name = args.policy or (gate_policy_name(gate_kind(args.checkpoint)) if args.checkpoint
+                           else "full")
     policy = get_policy(name, **parse_policy_options(args.policy_opt))
     if policy.needs_attention and args.attn == "flash":
         raise PolicyError(f"policy {policy.name!r} needs attention scores, which the 'flash' "

@@ -95,29 +95,45 @@ def load_model(cfg: EvalConfig) -> Loaded:
 
 
 def needs_gate(policy: Policy) -> bool:
-    """A learned-gate policy (``attention_gate`` and the hybrids built on it): it runs only on a
-    gated model."""
+    """A learned-gate policy (``attention_gate``, the hybrids built on it, ``local_gate``): it
+    runs only on a gated model."""
     from kvgate.policies.attention_gate import AttentionGatePolicy
+    from kvgate.policies.local_gate import LocalGatePolicy
 
-    return isinstance(policy, AttentionGatePolicy)
+    return isinstance(policy, (AttentionGatePolicy, LocalGatePolicy))
+
+
+def gate_refusal(policy: Policy, gates: list[Any]) -> str | None:
+    """Why ``policy`` cannot run on a model carrying ``gates`` (its gate modules), or None."""
+    from kvgate.policies.local_gate import LocalGatePolicy
+
+    if not needs_gate(policy):
+        return None
+    if not gates:
+        return f"policy {policy.name} needs a gated model: pass --checkpoint DIR"
+    if isinstance(policy, LocalGatePolicy) and not all(g.local for g in gates):
+        return (f"policy {policy.name} needs a local gate kind (mlp, linear); the checkpoint's "
+                f"gates are kind {gates[0].kind!r}: use attention_gate")
+    return None
 
 
 def _loaded(cfg: EvalConfig, load: Loader | None,
             policies: dict[str, Policy]) -> tuple[Any, Any, dict[str, Policy], ResultStore]:
-    """Load the model, drop the learned gate from ``all`` on a base model, check that a gate
-    policy has a gated model, open the store."""
+    """Load the model, drop from ``all`` the learned gates it cannot run (every one on a base
+    model), check that a gate policy has the gate it needs, open the store."""
     from kvgate.gate import gate_modules
     from kvgate.models.limits import quiet_length_warning
 
     model, tokenizer, meta = (load or load_model)(cfg)
     quiet_length_warning(tokenizer)  # the model's own context is checked where items are built
-    gated = bool(gate_modules(model))
-    if cfg.all_policies and not gated:  # 'all': every policy this model can run
-        policies = {n: p for n, p in policies.items() if not needs_gate(p)}
+    gates = gate_modules(model)
+    if cfg.all_policies:  # 'all': every policy this model can run
+        policies = {n: p for n, p in policies.items() if gate_refusal(p, gates) is None}
     check = [cfg.build_reference()] if isinstance(cfg, MatchedConfig) else policies.values()
     for policy in check:
-        if needs_gate(policy) and not gated:
-            raise EvalError(f"policy {policy.name} needs a gated model: pass --checkpoint DIR")
+        refusal = gate_refusal(policy, gates)
+        if refusal is not None:
+            raise EvalError(refusal)
     return model, tokenizer, policies, ResultStore(Path(cfg.out), meta, settings=cfg.settings())
 
 

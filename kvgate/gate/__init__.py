@@ -1,6 +1,10 @@
-"""Attention-Gate: the module, the straight-through flags, patching and the eviction loss."""
+"""Learned gates: the kinds (Attention-Gate, mlp, linear), the straight-through flags,
+patching and the eviction loss."""
 
-from kvgate.gate.config import ConfigError, GateConfig
+from kvgate.gate.base import Gate
+from kvgate.gate.config import GATE_KINDS, ConfigError, GateConfig
+from kvgate.gate.kinds import GATES, gate_class
+from kvgate.gate.local import LinearGate, MLPGate
 from kvgate.gate.loss import (
     clear_records,
     eviction_loss,
@@ -22,13 +26,19 @@ from kvgate.gate.patch import (
 )
 
 __all__ = [
+    "GATES",
+    "GATE_KINDS",
     "AttentionGate",
     "ConfigError",
+    "Gate",
     "GateConfig",
+    "LinearGate",
+    "MLPGate",
     "UnsupportedModelError",
     "check_gateable",
     "clear_records",
     "eviction_loss",
+    "gate_class",
     "gate_config",
     "gate_modules",
     "gate_records",

@@ -39,6 +39,12 @@ def gate_attend_mask(valid: Tensor, prompt: Tensor | None, mode: str) -> Tensor 
     return ((causal & valid[:, None, :]) | eye)[:, None]
 
 
+def gate_attention_mask(gate_mod: nn.Module, valid: Tensor, prompt: Tensor | None) -> Tensor | None:
+    """The mask of a gate's own attention; None for a local kind, which attends to nothing
+    (and so never builds the n x n mask)."""
+    return None if gate_mod.local else gate_attend_mask(valid, prompt, gate_mod.config.mode)
+
+
 def compute_gate(module: nn.Module, hidden: Tensor, position_embeddings, valid: Tensor,
                  prompt: Tensor | None = None, tau: float | None = None,
                  previous_hidden: Tensor | None = None) -> GateRecord:
@@ -52,8 +58,8 @@ def compute_gate(module: nn.Module, hidden: Tensor, position_embeddings, valid: 
         gate = torch.ones(valid.shape[0], gate_mod.out_heads, valid.shape[1], device=valid.device)
         return GateRecord(gate, counted)
     hidden = gate_input(module, hidden, previous_hidden)
-    attend = gate_attend_mask(valid, prompt, gate_mod.config.mode)
-    gate = gate_mod(hidden, position_embeddings, attend, tau=tau)
+    gate = gate_mod(hidden, position_embeddings, gate_attention_mask(gate_mod, valid, prompt),
+                    tau=tau)
     forced = forced_tokens(gate_mod.config, valid, counted, prompt)
     gate = torch.where(forced[:, None, :], torch.ones_like(gate), gate)
     return GateRecord(gate, counted)
@@ -69,7 +75,7 @@ def gate_ranking(module: nn.Module, hidden: Tensor, position_embeddings, valid: 
     if module.layer_idx < gate_mod.config.ungated_layers:
         return None, valid
     scores = gate_mod.scores(gate_input(module, hidden, previous_hidden), position_embeddings,
-                             gate_attend_mask(valid, prompt, gate_mod.config.mode))
+                             gate_attention_mask(gate_mod, valid, prompt))
     counted = counted_tokens(gate_mod.config, valid, prompt)
     return scores, forced_tokens(gate_mod.config, valid, counted, prompt)
 

@@ -1,4 +1,5 @@
-"""Typed, validated configuration of the Attention-Gate (paper symbols as field names)."""
+"""Typed, validated configuration of the learned gates (Attention-Gate paper symbols as field
+names; ``kind`` picks the gate's architecture, ``kvgate.gate.kinds``)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,10 @@ GateMode = Literal["causal", "prompt_bidirectional"]
 GateTarget = Literal["kv", "query"]
 GatePrefill = Literal["gated", "full"]
 GateKernel = AttentionKernel  # the kernel names live beside the kernels
+# the gate architectures (kvgate.gate.kinds maps each to its module): "attention" is the
+# paper's Attention-Gate, "mlp" and "linear" score each token from its own hidden state (KVzap)
+GateKind = Literal["attention", "mlp", "linear"]
+GATE_KINDS: tuple[str, ...] = get_args(GateKind)
 
 
 class ConfigError(KVGateError, ValueError):
@@ -20,12 +25,19 @@ class ConfigError(KVGateError, ValueError):
 
 @dataclass
 class GateConfig:
-    """Attention-Gate hyper-parameters.
+    """Gate hyper-parameters.
 
-    Defaults follow the paper's continual pre-training setting (tau 0.5, gamma 2, alpha 5,
-    beta 0.4, h'=4). ``head_dim=None`` means "the model's head_dim".
+    Defaults follow the Attention-Gate paper's continual pre-training setting (tau 0.5,
+    gamma 2, alpha 5, beta 0.4, h'=4). ``head_dim=None`` means "the model's head_dim".
+    ``heads``, ``head_dim``, ``rope`` and ``mode`` shape the attention kind only; ``hidden``
+    the mlp kind only.
     """
 
+    # "attention": the Attention-Gate (Zeng et al. 2024, arXiv:2410.12876); "mlp": per layer
+    # D -> hidden -> H_gate with GELU, "linear": D -> H_gate, both from the token's own
+    # normalised hidden state (KVzap, arXiv:2601.07891; the Attention-Gate paper's "local")
+    kind: GateKind = "attention"
+    hidden: int = 512  # the mlp kind's inner width (KVzap: 512)
     heads: int = 4  # h': heads of the gate's own small attention
     head_dim: int | None = None  # d'_k; None -> the model's head_dim
     tau: float = 0.5  # keep threshold on sigmoid(score + gamma)
@@ -55,6 +67,10 @@ class GateConfig:
         def bad(key: str, why: str) -> ConfigError:
             return ConfigError(f"GateConfig.{key}: {why} (got {getattr(self, key)!r})")
 
+        if self.kind not in GATE_KINDS:
+            raise bad("kind", f"must be one of {', '.join(GATE_KINDS)}")
+        if isinstance(self.hidden, bool) or not isinstance(self.hidden, int) or self.hidden < 1:
+            raise bad("hidden", "must be a positive integer")
         if not isinstance(self.heads, int) or self.heads < 1:
             raise bad("heads", "must be a positive integer")
         if self.head_dim is not None and (not isinstance(self.head_dim, int) or self.head_dim < 1):
@@ -69,6 +85,9 @@ class GateConfig:
             raise bad("beta", f"must lie in [0, tau={self.tau}] (paper: beta in [0, tau])")
         if self.mode not in ("causal", "prompt_bidirectional"):
             raise bad("mode", "must be 'causal' or 'prompt_bidirectional'")
+        if self.mode != "causal" and self.kind != "attention":
+            # a local gate reads one token: there is no gate attention to make bidirectional
+            raise bad("mode", f"only the attention kind attends; kind {self.kind!r} needs 'causal'")
         if self.prefill not in get_args(GatePrefill):
             raise bad("prefill", "must be 'gated' or 'full'")
         if self.kernel not in KERNELS:

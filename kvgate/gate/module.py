@@ -1,5 +1,6 @@
 """The Attention-Gate: a small attention layer that decides, per token and per gated head,
-whether that token's K/V stay in the cache."""
+whether that token's K/V stay in the cache ("In-context KV-Cache Eviction for LLMs via
+Attention-Gate", Zeng et al. 2024, arXiv:2410.12876). The gate kind ``attention``."""
 
 from __future__ import annotations
 
@@ -8,16 +9,10 @@ import math
 import torch
 from torch import Tensor, nn
 
-from kvgate.gate.apply import gated_layer_attention
+from kvgate.gate.base import Gate, straight_through
 from kvgate.gate.config import GateConfig
-from kvgate.models.dispatch import ForwardContext, GatedRoute, Router
 
-
-def straight_through(scores: Tensor, gamma: float, tau: float) -> Tensor:
-    """Hard keep flags in the forward pass, the sigmoid's gradient in the backward pass."""
-    soft = torch.sigmoid(scores + gamma)
-    hard = (soft > tau).to(soft.dtype)
-    return hard + soft - soft.detach()
+__all__ = ["AttentionGate", "straight_through"]
 
 
 def _rotate_half(x: Tensor) -> Tensor:
@@ -35,7 +30,7 @@ def _gate_rotary(cos: Tensor, sin: Tensor, dim: int) -> tuple[Tensor, Tensor]:
     return cos.index_select(-1, idx), sin.index_select(-1, idx)
 
 
-class AttentionGate(GatedRoute):
+class AttentionGate(Gate):
     """MHA' of the paper: ``h'`` heads of size ``d'`` over the layer input, projected to one
     score per gated head (the model's KV heads by default).
 
@@ -44,9 +39,10 @@ class AttentionGate(GatedRoute):
     whose forward values are hard 0/1 flags and whose gradient is the sigmoid's.
     """
 
+    kind = "attention"
+
     def __init__(self, hidden_size: int, out_heads: int, config: GateConfig, head_dim: int):
-        super().__init__()
-        self.config = config
+        super().__init__(config, out_heads)
         self.heads = config.heads
         self.head_dim = config.head_dim or head_dim
         if config.rope and self.head_dim % 2:
@@ -56,9 +52,6 @@ class AttentionGate(GatedRoute):
         self.k_proj = nn.Linear(hidden_size, inner, bias=False)
         self.v_proj = nn.Linear(hidden_size, inner, bias=False)
         self.o_proj = nn.Linear(inner, out_heads, bias=False)
-        self.out_heads = out_heads
-        # Off while the gate should not act (gates-open teacher, LoRA-only training, decode).
-        self.active = True
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -84,22 +77,6 @@ class AttentionGate(GatedRoute):
             a = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=attend)
         a = a.transpose(1, 2).reshape(b, n, self.heads * self.head_dim)
         return self.o_proj(a).float().transpose(1, 2)
-
-    def forward(self, hidden: Tensor, position_embeddings=None, attend: Tensor | None = None,
-                tau: float | None = None) -> Tensor:
-        """``tau`` overrides the config's keep threshold (inference only: a trained gate's
-        eviction dialled without retraining)."""
-        s = self.scores(hidden, position_embeddings, attend)
-        return straight_through(s, self.config.gamma, self.config.tau if tau is None else tau)
-
-    def routes(self, router: Router) -> bool:
-        # a stored prompt (one-shot training's two passes) is read also with the gates open
-        return self.active or router.prefix is not None
-
-    def gated_attend(self, module: nn.Module, query: Tensor, key: Tensor, value: Tensor,
-                     attention_mask: Tensor | None, scaling: float | None,
-                     context: ForwardContext, **kwargs) -> tuple[Tensor, None]:
-        return gated_layer_attention(module, query, key, value, attention_mask, scaling, context)
 
     def extra_repr(self) -> str:
         return (f"heads={self.heads}, head_dim={self.head_dim}, out_heads={self.out_heads}, "

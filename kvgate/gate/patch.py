@@ -1,6 +1,7 @@
-"""Install Attention-Gates into a LLaMA or Mistral model without copying modeling code.
+"""Install gates into a LLaMA or Mistral model without copying modeling code.
 
-``patch`` hangs an ``AttentionGate`` on every decoder layer's attention module as
+``patch`` hangs a gate of ``GateConfig.kind`` (``kvgate.gate.kinds``: the Attention-Gate by
+default) on every decoder layer's attention module as
 ``self_attn.kv_gate`` (so its parameters are named ``...self_attn.kv_gate...``) and routes the
 model's attention through ``kvgate.models.dispatch``. The base parameters are not touched,
 also when the model is wrapped by peft.
@@ -14,8 +15,9 @@ from contextlib import contextmanager
 import torch
 from torch import Tensor, nn
 
+from kvgate.gate.base import Gate
 from kvgate.gate.config import ConfigError, GateConfig
-from kvgate.gate.module import AttentionGate
+from kvgate.gate.kinds import gate_class
 from kvgate.models import dispatch
 from kvgate.models.arch import check_supported
 from kvgate.models.errors import UnsupportedArchitectureError
@@ -38,8 +40,8 @@ def check_gateable(model: nn.Module) -> None:
 
 
 def patch(model: nn.Module, config: GateConfig | None = None) -> nn.Module:
-    """Install gates (fp32, Xavier-initialised) and the gated attention. Idempotent for the
-    same config; a different config replaces the gates."""
+    """Install gates (fp32, freshly initialised: ``reset_parameters`` of the kind) and the
+    gated attention. Idempotent for the same config; a different config replaces the gates."""
     config = config or GateConfig()
     config.validate()
     check_gateable(model)
@@ -48,7 +50,7 @@ def patch(model: nn.Module, config: GateConfig | None = None) -> nn.Module:
     out_heads = cfg.num_key_value_heads if config.target == "kv" else cfg.num_attention_heads
     rotary = int(head_dim * (getattr(cfg, "partial_rotary_factor", None) or 1.0))
     gate_dim = config.head_dim or head_dim
-    if config.rope and gate_dim > rotary:
+    if config.kind == "attention" and config.rope and gate_dim > rotary:
         # a rotary gate reuses the model's position tables, which have only `rotary` dims
         raise ConfigError(f"GateConfig.head_dim: {gate_dim} exceeds this model's rotary "
                           f"dimension {rotary}; use head_dim <= {rotary} or rope: false")
@@ -57,7 +59,7 @@ def patch(model: nn.Module, config: GateConfig | None = None) -> nn.Module:
         existing = getattr(module, "kv_gate", None)
         if existing is None or existing.config != config:
             device = module.q_proj.weight.device if hasattr(module.q_proj, "weight") else None
-            gate = AttentionGate(cfg.hidden_size, out_heads, config, head_dim)
+            gate = gate_class(config.kind)(cfg.hidden_size, out_heads, config, head_dim)
             module.kv_gate = gate.to(device=device, dtype=torch.float32)
     router = dispatch.router(model)
     router.records.clear()
@@ -74,7 +76,7 @@ def unpatch(model: nn.Module) -> nn.Module:
     return model
 
 
-def gate_modules(model: nn.Module) -> list[AttentionGate]:
+def gate_modules(model: nn.Module) -> list[Gate]:
     """Installed gates in layer order (empty when the model is not patched)."""
     return [m.kv_gate for m in dispatch.attention_modules(model) if hasattr(m, "kv_gate")]
 

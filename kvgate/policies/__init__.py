@@ -1,5 +1,6 @@
 """Eviction policies: one file each, one contract (``contract.Policy.keep`` -> [B, H_kv, n] mask,
-extended by ``DecodeEvicting``, ``StreamingPrefill``, ``EncodeMasking`` and ``PassScoring``).
+extended by ``DecodeEvicting``, ``RowScoring``, ``StreamingPrefill``, ``EncodeMasking`` and
+``PassScoring``).
 
 ``get_policy("snapkv", window=32)`` builds one by name; ``list_policies()`` lists the names.
 """
@@ -16,6 +17,7 @@ from kvgate.policies.contract import (
     PassScoring,
     Policy,
     PolicyError,
+    RowScoring,
     StreamingPrefill,
 )
 from kvgate.policies.full import Full
@@ -23,6 +25,7 @@ from kvgate.policies.gate_hybrid import GateHybrid
 from kvgate.policies.h2o import H2O
 from kvgate.policies.knorm import KNorm
 from kvgate.policies.kvzip import KVzip
+from kvgate.policies.local_gate import LocalGatePolicy
 from kvgate.policies.nacl import NaCl
 from kvgate.policies.pyramidkv import PyramidKV
 from kvgate.policies.random_keep import RandomKeep
@@ -48,6 +51,7 @@ __all__ = [
     "KNorm",
     "KVzip",
     "LayerPrompt",
+    "LocalGatePolicy",
     "NaCl",
     "PassScoring",
     "Policy",
@@ -55,6 +59,7 @@ __all__ = [
     "PyramidKV",
     "RandomKeep",
     "RoCo",
+    "RowScoring",
     "ScoredPolicy",
     "SnapKV",
     "Streaming",

@@ -9,7 +9,8 @@ the model learns which entries it can do without.
 The budget does not enter: the eviction ratio is whatever the gate learned, reported as
 %Evict (``gate_hybrid`` runs a gate at a budget). The flags are applied *inside* the prefill as
 the paper's eq. 5 (later prompt rows see only kept entries), then the cache is compacted to the
-kept entries. Decode tokens are not gated.
+kept entries. Decode tokens are not gated. Every gate kind (``GateConfig.kind``) runs here;
+a local kind (mlp, linear) can also evict while decoding: ``local_gate``.
 
 ``tail`` (inference option, default 0): the last prompt tokens (an int count or a float share
 of the prompt) stay in the cache whatever the gate says, as every heuristic keeps its
@@ -68,9 +69,7 @@ class AttentionGatePolicy(EncodeMasking):
         check_share(self.name, "tail", self.tail)
         if self.prefill is not None:
             check_choice(self.name, "prefill", self.prefill, get_args(GatePrefill))
-        if self.tau is not None and (isinstance(self.tau, bool) or not isinstance(self.tau, (int, float))
-                                     or not 0.0 < self.tau < 1.0):
-            raise option_error(self.name, "tau", "must be a number in (0, 1)", self.tau)
+        check_tau(self.name, self.tau)
 
     def keep(self, prompt: LayerPrompt, budget: Budget | None = None) -> Tensor:
         """[B, H_kv, n] bool from the layer's gate (per-query-head gates: union over the
@@ -84,17 +83,7 @@ class AttentionGatePolicy(EncodeMasking):
 
     def gate_config(self, prompt: LayerPrompt) -> Any:
         """The layer's ``GateConfig`` after checking that the prompt can run its gate."""
-        module = prompt.module
-        if module is None or not hasattr(module, "kv_gate"):
-            raise PolicyError(f"policy {self.name} needs a gated model: load an exported "
-                              "checkpoint (--checkpoint DIR) or call kvgate.patch first")
-        if prompt.hidden is None:
-            raise PolicyError(f"policy {self.name} needs the layer's hidden states")
-        config = module.kv_gate.config
-        if config.rope and prompt.position_embeddings is None:
-            raise PolicyError(f"policy {self.name} needs the forward's rotary tables "
-                              "(LayerPrompt.position_embeddings): the gate rotates its q/k")
-        return config
+        return checked_gate_config(self.name, prompt)
 
     def encode_band(self, prompt: LayerPrompt) -> int | None:
         """``prefill="full"`` makes this a one-shot policy (full prefill attention, then the
@@ -110,6 +99,29 @@ class AttentionGatePolicy(EncodeMasking):
         recent = prompt.module.kv_gate.config.recent
         return last_real(prompt.valid, torch.maximum(resolve_share(self.tail, n_real),
                                                      resolve_share(recent, n_real)))
+
+
+def check_tau(policy: str, tau: Any) -> None:
+    """An inference keep threshold: None (the trained one) or a number in (0, 1)."""
+    if tau is not None and (isinstance(tau, bool) or not isinstance(tau, (int, float))
+                            or not 0.0 < tau < 1.0):
+        raise option_error(policy, "tau", "must be a number in (0, 1)", tau)
+
+
+def checked_gate_config(policy: str, prompt: LayerPrompt) -> Any:
+    """The ``GateConfig`` of the prompt's layer after checking that the prompt can run its
+    gate (a gated layer, its hidden states, and the rotary tables an attention kind reads)."""
+    module = prompt.module
+    if module is None or not hasattr(module, "kv_gate"):
+        raise PolicyError(f"policy {policy} needs a gated model: load an exported "
+                          "checkpoint (--checkpoint DIR) or call kvgate.patch first")
+    if prompt.hidden is None:
+        raise PolicyError(f"policy {policy} needs the layer's hidden states")
+    config = module.kv_gate.config
+    if config.kind == "attention" and config.rope and prompt.position_embeddings is None:
+        raise PolicyError(f"policy {policy} needs the forward's rotary tables "
+                          "(LayerPrompt.position_embeddings): the gate rotates its q/k")
+    return config
 
 
 def by_kv_head(x: Tensor, hk: int, reduce: str) -> Tensor:

@@ -28,6 +28,7 @@ from kvgate.policies.contract import (
     PassScoring,
     Policy,
     PolicyError,
+    RowScoring,
     StreamingPrefill,
     prefill_band,
 )
@@ -35,8 +36,8 @@ from kvgate.policies.sums import attention_sums, attention_with_sums
 
 __all__ = [
     "ALLOCATIONS", "ROUNDINGS", "AllocationOption", "Budget", "DecodeEvicting", "EncodeMasking",
-    "LayerPrompt", "PassAttention", "PassScoring", "Policy", "PolicyError", "ScoredPolicy",
-    "StreamingPrefill", "attention_sums", "attention_with_sums", "by_position", "causal_probs",
+    "LayerPrompt", "PassAttention", "PassScoring", "Policy", "PolicyError", "RowScoring",
+    "ScoredPolicy", "StreamingPrefill", "attention_sums", "attention_with_sums", "by_position", "causal_probs",
     "check_choice", "check_decode", "check_int", "check_prompt", "check_share", "decode_probs",
     "first_real", "gqa_reduce", "keep_all", "last_real", "layer_seed", "make_policy",
     "option_error", "policy_options", "pool1d", "prefill_band", "real_index", "resolve_share",

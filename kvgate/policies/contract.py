@@ -8,6 +8,9 @@ checks the class (``isinstance``), never the presence of a method:
 - ``DecodeEvicting``: also holds each KV head at a capacity while decoding, through
   ``decode_init`` (per-entry statistics from the prompt) and ``decode_select`` (one eviction
   round over the stored entries after new rows attended);
+- ``RowScoring`` (a ``DecodeEvicting``): scores each new entry from its own row when it is
+  written (``row_stats``: a local gate reads the token's hidden state), so ``decode_select``
+  finds the new slots' statistics filled in rather than 0;
 - ``StreamingPrefill`` (a ``DecodeEvicting``): evicts *while* the prompt is encoded, in blocks
   of ``block`` rows, each block one ``decode_select(..., prefill=True)`` round (RoCo);
 - ``EncodeMasking``: its keep decision is applied *inside* the prefill (Attention-Gate eq. 5),
@@ -142,12 +145,17 @@ class LayerPrompt:
 
     def head(self, rows: int) -> LayerPrompt:
         """The prompt's first ``rows`` positions (what a streamed prefill has encoded so far)."""
-        pe = self.position_embeddings
-        return replace(self, query=self.query[:, :, :rows], key=self.key[:, :, :rows],
-                       value=self.value[:, :, :rows], valid=self.valid[:, :rows],
-                       hidden=None if self.hidden is None else self.hidden[:, :rows],
-                       position_embeddings=None if pe is None else tuple(x[:, :rows] for x in pe),
-                       lse=None if self.lse is None else self.lse[..., :rows])
+        return self.span(0, rows)
+
+    def span(self, lo: int, hi: int) -> LayerPrompt:
+        """Positions ``lo:hi`` of the prompt (a streamed block's rows)."""
+        pe, prev = self.position_embeddings, self.previous_hidden
+        return replace(self, query=self.query[:, :, lo:hi], key=self.key[:, :, lo:hi],
+                       value=self.value[:, :, lo:hi], valid=self.valid[:, lo:hi],
+                       hidden=None if self.hidden is None else self.hidden[:, lo:hi],
+                       position_embeddings=None if pe is None else tuple(x[:, lo:hi] for x in pe),
+                       previous_hidden=None if prev is None else prev[:, lo:hi],
+                       lse=None if self.lse is None else self.lse[..., lo:hi])
 
 
 class Policy(ABC):
@@ -201,8 +209,24 @@ class DecodeEvicting(Policy):
         positions ``[B, H_kv, T]`` long true token positions (-1 where invalid); capacity
         ``[B, H_kv]`` long. ``prefill`` is True while a streamed prompt is encoded
         (``StreamingPrefill``), False while decoding. Returns the updated stats and the keep
-        mask ``[B, H_kv, T]`` with ``min(capacity, valid count)`` True per head.
+        mask ``[B, H_kv, T]`` with ``min(capacity, valid count)`` True per head; a
+        ``budget_free`` policy keeps what its own rule keeps instead (the local gate: above
+        its threshold or recent) and ignores ``capacity``.
         """
+
+
+class RowScoring(DecodeEvicting):
+    """A decode-evicting policy that scores each new entry from its own row when the row is
+    written: a local gate (KVzap, arXiv:2601.07891) reads only the token's hidden state, so a
+    generated token gets its keep score as it enters the cache, like a prompt token at the
+    prefill. Before each ``decode_select`` the cache calls ``row_stats`` on the new rows and
+    stores what it returns in their slots (where other policies' new slots start at 0)."""
+
+    @abstractmethod
+    def row_stats(self, rows: LayerPrompt) -> dict[str, Tensor]:
+        """Per-entry statistics of the new rows, each ``[B, H_kv, r]`` float: ``rows`` is a
+        ``LayerPrompt`` of the r new rows (their q/k/v, validity, hidden state, the previous
+        layer's input and rotary tables), keyed as ``decode_init``'s statistics."""
 
 
 class StreamingPrefill(DecodeEvicting):

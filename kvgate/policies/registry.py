@@ -17,6 +17,7 @@ from kvgate.policies.gate_hybrid import GateHybrid
 from kvgate.policies.h2o import H2O
 from kvgate.policies.knorm import KNorm
 from kvgate.policies.kvzip import KVzip
+from kvgate.policies.local_gate import LocalGatePolicy
 from kvgate.policies.nacl import NaCl
 from kvgate.policies.pyramidkv import PyramidKV
 from kvgate.policies.random_keep import RandomKeep
@@ -26,8 +27,8 @@ from kvgate.policies.streaming import Streaming
 from kvgate.policies.tova import TOVA
 from kvgate.policies.window import Window
 
-__all__ = ["POLICIES", "get_policy", "list_policies", "policy_class", "policy_options",
-           "policy_spec"]
+__all__ = ["POLICIES", "gate_policy_name", "get_policy", "list_policies", "policy_class",
+           "policy_options", "policy_spec"]
 
 POLICIES: dict[str, type[Policy]] = {
     "full": Full,
@@ -46,12 +47,21 @@ POLICIES: dict[str, type[Policy]] = {
     "kvzip": KVzip,
     "attention_gate": AttentionGatePolicy,
     "gate_hybrid": GateHybrid,
+    "local_gate": LocalGatePolicy,
 }
 
 
 def list_policies() -> list[str]:
     """Every policy name that ``get_policy`` accepts."""
     return list(POLICIES)
+
+
+def gate_policy_name(kind: str | None) -> str:
+    """The policy that serves a gated model of ``kind`` by default: ``local_gate`` for a local
+    kind (it scores and evicts while decoding too), ``attention_gate`` otherwise."""
+    from kvgate.gate.kinds import GATES
+
+    return "local_gate" if kind in GATES and GATES[kind].local else "attention_gate"
 
 
 def policy_class(name: str) -> type[Policy]:

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from kvgate.attention.masks import new_token_validity
-from kvgate.gate.apply import gate_attend_mask
+from kvgate.gate.apply import gate_attention_mask
 from kvgate.gate.patch import gates_open
 from kvgate.models import dispatch
 from kvgate.policies.base import Budget, LayerPrompt, Policy
@@ -65,7 +65,7 @@ def warmstart_loss(model: nn.Module, labels: dict[int, Tensor], input_ids: Tenso
         if module.layer_idx < cfg.ungated_layers:
             continue
         h, pos, valid = hidden[module.layer_idx]
-        attend = gate_attend_mask(valid, valid, cfg.mode)
+        attend = gate_attention_mask(gate, valid, valid)
         logit = gate.scores(h, pos, attend) + cfg.gamma - math.log(cfg.tau / (1 - cfg.tau))
         y = labels[module.layer_idx].to(logit.dtype)
         if y.shape != logit.shape:  # per-query-head gates learn their KV head's label

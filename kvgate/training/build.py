@@ -125,6 +125,10 @@ def load_init(model: nn.Module, path: str, with_lora: bool) -> None:
         meta = read_meta(path)  # sizes and sha256 checked: a corrupt file fails here
         check_base(meta, path, model)
         if meta.get("gate") is not None and gate_modules(model):
+            was, now = meta["gate"].get("kind", "attention"), gate_modules(model)[0].kind
+            if was != now:  # said here, not as a tensor-shape mismatch
+                raise CheckpointError(f"{path}: holds gates of kind {was!r}, this run trains "
+                                      f"kind {now!r}; set gate.kind: {was} or start afresh")
             load_gate_weights(model, path)
         if with_lora and meta.get("lora"):
             load_adapter(model, f"{path}/{ADAPTER_DIR}")

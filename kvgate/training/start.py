@@ -22,7 +22,9 @@ __all__ = ["check_fresh_start", "check_resume_fits", "earlier_checkpoints",
            "remove_earlier_checkpoints"]
 
 # the settings that decide which trained tensors exist and their shapes, by hparams path
-_GATE_SHAPES = ("heads", "head_dim", "target")
+_GATE_SHAPES = ("kind", "hidden", "heads", "head_dim", "target")
+# what a checkpoint written before a gate setting existed ran with
+_GATE_BEFORE = {"kind": "attention", "hidden": 512}
 _LORA_SHAPES = ("rank", "targets")
 
 
@@ -89,6 +91,10 @@ def check_resume_fits(ckpt_path: str | os.PathLike, module: Any) -> None:
             was, now = saved.get(names[0]), mine.get(names[0])
         else:
             was, now = _field(saved, *names), _field(mine, *names)
+        if names[0] == "gate" and names[1] in _GATE_BEFORE and was is None:
+            was = _GATE_BEFORE[names[1]]
+        if "hidden" in names and _field(mine, "gate", "kind") != "mlp":
+            continue  # only the mlp kind has an inner width
         if "head_dim" in names and None in (was, now):
             continue  # None is the model's own head_dim: equal or not, only the model knows
         if was != now:

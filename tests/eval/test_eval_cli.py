@@ -201,6 +201,23 @@ def test_all_policies_on_a_base_model_skip_the_learned_gate(capsys, tiny_cli, tm
     assert "attention_gate" not in policies and {"full", "snapkv", "roco"} <= policies
 
 
+def test_local_gate_needs_a_local_gate_kind_and_all_leaves_it_out_otherwise(
+        capsys, monkeypatch, tiny_llama, tmp_path):
+    patch(tiny_llama, GateConfig())  # the attention kind
+    monkeypatch.setattr(cli, "load_model", lambda args: (tiny_llama, CharTokenizer(),
+                                                         {"model": "tiny", "checkpoint": "c"}))
+    common = ["ppl", "--checkpoint", "c", "--budgets", "0.5", "--text-files",
+              str(_text(tmp_path)), "--max-length", "24", "--no-progress"]
+    code, _, err = run(capsys, *common, "--out", str(tmp_path / "a"), "--policies", "local_gate")
+    assert code == 2 and err.count("\n") == 1
+    assert "needs a local gate kind (mlp, linear); the checkpoint's gates are kind 'attention'" in err
+    code, _, err = run(capsys, *common, "--out", str(tmp_path / "b"), "--policies", "all")
+    assert code == 0, err
+    results = json.loads((tmp_path / "b" / "results.json").read_text())["results"]
+    policies = {key.split("|")[2] for key in results}
+    assert "attention_gate" in policies and "local_gate" not in policies
+
+
 def _text(tmp_path):
     path = tmp_path / "held_out.txt"
     path.write_text("the quick brown fox jumps over the lazy dog again and again")

@@ -56,6 +56,25 @@ def test_missing_checkpoint_and_prompt_file_exit_2(cli, capsys, tmp_path):
     assert "no such file" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("kind", ["mlp", "linear", "attention", None])
+def test_a_checkpoints_gate_kind_picks_the_default_policy(cli, capsys, tmp_path, kind):
+    """A local gate kind is served by local_gate, which evicts while decoding (so CUDA graphs
+    are refused before anything loads); the attention kind, or an export from before kinds,
+    by attention_gate."""
+    from kvgate.checkpoint import CONFIG_NAME, FORMAT, FORMAT_VERSION
+
+    folder = tmp_path / "gated"
+    folder.mkdir()
+    gate = {} if kind is None else {"kind": kind}
+    (folder / CONFIG_NAME).write_text(json.dumps({
+        "format": FORMAT, "format_version": FORMAT_VERSION, "base": {"id": str(tmp_path / "x")},
+        "files": {}, "gate": gate}))
+    assert cli.main(["--checkpoint", str(folder), "--prompt", "hi", "--cuda-graphs"]) == 2
+    err = capsys.readouterr().err
+    local = "policy 'local_gate' evicts while decoding" in err
+    assert local == (kind in ("mlp", "linear")) and err.count("error: ") == 1
+
+
 def test_generates_and_prints_stats(cli, tiny_base, capsys, tmp_path):
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("first prompt here\n\nsecond\n")

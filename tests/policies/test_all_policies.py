@@ -35,7 +35,8 @@ OPTIONS = {
     "ahakv": {"recent": 4, "kernel": 3},
     "knorm": {},
 }
-LEARNED = {"attention_gate", "gate_hybrid"}  # need a gated model (tests/cache, test_gate_hybrid)
+# need a gated model (tests/cache, test_gate_hybrid, tests/gate/test_kinds)
+LEARNED = {"attention_gate", "gate_hybrid", "local_gate"}
 NAMES = [name for name in POLICIES if name not in LEARNED]
 DECODE = [name for name in NAMES if issubclass(POLICIES[name], DecodeEvicting)]
 

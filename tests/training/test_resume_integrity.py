@@ -248,6 +248,7 @@ def test_a_run_folder_holding_checkpoints_needs_ckpt_path_or_overwrite(trained, 
 
 @pytest.mark.parametrize("override, field", [
     (["--model.gate.heads", "2"], "model.gate.heads 4, this run has 2"),
+    (["--model.gate.kind", "mlp"], "model.gate.kind 'attention', this run has 'mlp'"),
     (["--model.lora.rank", "8"], "model.lora.rank 4, this run has 8"),
     (["--model.train", "gates"], "model.train 'gates_lora', this run has 'gates'"),
 ])

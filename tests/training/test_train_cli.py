@@ -117,6 +117,8 @@ def test_ablation_variants_layer_on_the_recipe(path, no_model_load, monkeypatch)
 
 @pytest.mark.parametrize("override, key", [
     (["--model.gate.beta", "0.9"], "GateConfig.beta"),
+    (["--model.gate.kind", "conv"], "model.gate.kind"),
+    (["--model.gate.kind", "mlp", "--model.gate.hidden", "0"], "GateConfig.hidden"),
     (["--model.lora.rank", "0"], "LoraSettings.rank"),
     (["--model.optim.warmup_ratio", "2"], "OptimSettings.warmup_ratio"),
     (["--data.seq_len", "1"], "data.seq_len"),

@@ -10,7 +10,8 @@ Model arguments (``--model_args k=v,...``)::
 
     pretrained     base model: an alias (smollm2-135m), a local folder, a .gguf or a hub id
     checkpoint     a gated export (``kvgate export``); its recorded base unless pretrained
-    policy         a kvgate policy name (default: attention_gate with a checkpoint, else full)
+    policy         a kvgate policy name (default with a checkpoint: local_gate for a local
+                   gate kind, attention_gate otherwise; else full)
     budget         prompt entries kept per KV head: a ratio in (0, 1] or a token count
     decode_budget  the decode-time capacity of decode-evicting policies (see ``Engine``)
     attn           sdpa (default) or flash
@@ -40,7 +41,7 @@ from lm_eval.api.registry import register_model
 from torch import nn
 from tqdm.auto import tqdm
 
-from kvgate.checkpoint import load_gated
+from kvgate.checkpoint import gate_kind, load_gated
 from kvgate.errors import KVGateError
 from kvgate.eval.errors import encode, model_shape
 from kvgate.inference import Engine
@@ -53,6 +54,7 @@ from kvgate.integrations.lm_eval.scoring import (
 )
 from kvgate.models import load_base, parse_dtype
 from kvgate.policies import Budget, PolicyError, get_policy
+from kvgate.policies.registry import gate_policy_name
 
 log = logging.getLogger("kvgate.integrations.lm_eval")
 
@@ -110,7 +112,8 @@ class KVGateLM(TemplateLM):
             raise LMEvalError("--model kvgate needs pretrained=<alias|folder|hub id> and/or "
                               "checkpoint=<gated export>")
         # the settings that need no model are checked before any weights load
-        name = policy or ("attention_gate" if checkpoint is not None else "full")
+        name = policy or (gate_policy_name(gate_kind(checkpoint)) if checkpoint is not None
+                          else "full")
         try:
             chosen = get_policy(name, **policy_options)
         except PolicyError as err:

@@ -1,0 +1,51 @@
+"""One decode-time eviction round of a ``CompressedCache`` layer (``DecodeEvicting`` policies).
+
+After new rows attended, the policy's per-slot statistics are grown to the new slots (0, or
+what a ``RowScoring`` policy's ``row_stats`` gave for the new rows), ``decode_select`` decides
+which slots stay, and the store is rebuilt only when something was evicted.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from kvgate.policies.contract import DecodeEvicting, PolicyError
+
+
+def grown_stats(stats: dict[str, Tensor], fresh: dict[str, Tensor], slots: int
+                ) -> dict[str, Tensor]:
+    """Each ``[B, H_kv, T_old]`` statistic grown to ``slots``: the new rows' own values
+    ``fresh`` (``[B, H_kv, r]``) fill the last r slots (the tail's newest tokens), any slot
+    between them starts at 0; a key only ``fresh`` has starts at 0 on the old slots."""
+    out = {}
+    for key in [*stats, *(k for k in fresh if k not in stats)]:
+        old, new = stats.get(key), fresh.get(key)
+        if old is None:
+            old = new.new_zeros(*new.shape[:2], 0, dtype=torch.float32)
+        r = 0 if new is None else new.shape[-1]
+        parts = [old, old.new_zeros(*old.shape[:2], slots - old.shape[-1] - r)]
+        out[key] = torch.cat(parts if new is None else [*parts, new.to(old.dtype)], dim=-1)
+    return out
+
+
+def decode_round(policy: DecodeEvicting, layer: Any, logits: Tensor, positions: Tensor,
+                 prefill: bool, fresh: dict[str, Tensor]) -> None:
+    """One ``decode_select`` round over a layer's stored slots (``layer``: the cache's
+    per-layer state, whose ``store`` and ``stats`` it updates). logits ``[B, H, r, T]`` of the
+    new rows, positions ``[B, H_kv, T]`` (-1 at empty slots)."""
+    store = layer.store
+    slot_valid = positions >= 0
+    stats = grown_stats(layer.stats, fresh, slot_valid.shape[-1])
+    stats, keep = policy.decode_select(stats, logits, slot_valid, positions, layer.capacity,
+                                       prefill=prefill)
+    if keep.shape != slot_valid.shape:
+        raise PolicyError(f"policy {policy.name!r}: decode_select returned keep of "
+                          f"shape {tuple(keep.shape)}, expected {tuple(slot_valid.shape)}")
+    keep = keep.to(torch.bool) & slot_valid
+    if bool((keep != slot_valid).any()):
+        kept = store.rebuild(keep)
+        stats = {k: store.realign(v, kept) for k, v in stats.items()}
+    layer.stats = dict(stats)

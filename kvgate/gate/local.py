@@ -1,0 +1,78 @@
+"""Local gates: each token's keep score from its own normalised hidden state alone.
+
+KVzap (arXiv:2601.07891) trains, per layer, a linear map or a two-layer MLP
+(``D -> 512 -> H_kv``, GELU) from the hidden state entering attention to a score per KV head,
+and at inference evicts the entries scored below a threshold outside a recent window, at the
+prefill and while decoding. The Attention-Gate paper (Zeng et al. 2024, arXiv:2410.12876)
+ablates the same idea as its "local" gate. Here both train like the Attention-Gate (hard flags
+``sigmoid(score + gamma) > tau``, straight-through gradient, eviction loss): only the module
+that scores differs.
+
+Both start wide open: the output layer is zero, so every score is 0 and every keep
+probability is ``sigmoid(gamma)`` (above ``tau`` at the defaults), and the patched model starts
+as the base model, as ``gamma`` makes the Attention-Gate start near full retention. The zero
+output layer still learns from the first step (its gradient is the hidden activation times the
+flags' gradient); the MLP's inner layer follows from the second.
+"""
+
+from __future__ import annotations
+
+from torch import Tensor, nn
+
+from kvgate.gate.base import Gate
+from kvgate.gate.config import GateConfig
+
+
+class LinearGate(Gate):
+    """``D -> H_gate``: one linear map per layer (KVzap's linear scorer; the paper's local
+    gate). ``scores(hidden [B, n, D]) -> [B, H_gate, n]`` fp32."""
+
+    kind = "linear"
+    local = True
+
+    def __init__(self, hidden_size: int, out_heads: int, config: GateConfig,
+                 head_dim: int | None = None) -> None:
+        super().__init__(config, out_heads)
+        self.proj = nn.Linear(hidden_size, out_heads)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        nn.init.zeros_(self.proj.weight)  # wide open: see the module docstring
+        nn.init.zeros_(self.proj.bias)
+
+    def scores(self, hidden: Tensor, position_embeddings=None,
+               attend: Tensor | None = None) -> Tensor:
+        return self.proj(hidden.to(self.proj.weight.dtype)).float().transpose(1, 2)
+
+    def extra_repr(self) -> str:
+        return f"out_heads={self.out_heads}, tau={self.config.tau}, gamma={self.config.gamma}"
+
+
+class MLPGate(Gate):
+    """``D -> hidden -> H_gate`` with GELU: KVzap's MLP scorer (hidden 512 in the paper).
+    ``scores(hidden [B, n, D]) -> [B, H_gate, n]`` fp32."""
+
+    kind = "mlp"
+    local = True
+
+    def __init__(self, hidden_size: int, out_heads: int, config: GateConfig,
+                 head_dim: int | None = None) -> None:
+        super().__init__(config, out_heads)
+        self.up = nn.Linear(hidden_size, config.hidden)
+        self.down = nn.Linear(config.hidden, out_heads)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        nn.init.xavier_uniform_(self.up.weight)
+        nn.init.zeros_(self.up.bias)
+        nn.init.zeros_(self.down.weight)  # wide open: see the module docstring
+        nn.init.zeros_(self.down.bias)
+
+    def scores(self, hidden: Tensor, position_embeddings=None,
+               attend: Tensor | None = None) -> Tensor:
+        x = hidden.to(self.up.weight.dtype)
+        return self.down(nn.functional.gelu(self.up(x))).float().transpose(1, 2)
+
+    def extra_repr(self) -> str:
+        return (f"hidden={self.config.hidden}, out_heads={self.out_heads}, "
+                f"tau={self.config.tau}, gamma={self.config.gamma}")
