@@ -477,6 +477,33 @@ case "${1:-all}" in
     kvgate eval mc "${mc[@]}" --budgets 0.3 --out $R/mc_headroom_c
     python experiments/summarize_mc.py $R/mc_headroom_a $R/mc_headroom_b \
       $R/mc_headroom_c $R/mc_headroom_r3 $R/mc_short_full --paired full --any-mode ;;
+  powered)  # PART: docs/RESULTS.md section 3, RULER with the question asked after compression,
+    # 48 examples per (family, length), scored by teacher forcing (greedy-exact after the
+    # model's greedy lead-in), at 50% eviction. Each PART writes one folder of $R/ruler/.
+    pw=(--tasks niah_single_1,niah_single_2,niah_multikey_1 --lengths 1024,2048,4096
+        --limit 48 --score teacher --no-progress)
+    case "$2" in
+      # the full cache and the heuristics, per head and TOVA ranked globally, from one shared
+      # prefill per example -> $R/ruler/powered
+      heuristics) kvgate eval ruler --model smollm2-135m "${pw[@]}" --budgets 0.5 \
+           --policies full,streaming,h2o,tova,snapkv,knorm,adakv,tova_g=tova \
+           --policy-opt tova_g.allocation=global --paired full --out $R/ruler/powered ;;
+      # a trained gate at its keep threshold (trained first if missing) -> $R/ruler/powered_GATE
+      cpt_long|cpt_recipe)
+         [ -f runs/$2/gated/kvgate_config.json ] || kvgate train --config $2 --ckpt_path last
+         kvgate eval ruler --checkpoint runs/$2/gated "${pw[@]}" --policies attention_gate \
+           --out $R/ruler/powered_$2 ;;
+      # teacher scoring against generation (32 tokens) on the same 4k examples: the cost ratio
+      # and the agreement, disagreeing answers listed -> $R/teacher/bench_4096.json
+      agree) mkdir -p $R/teacher
+         python bench/bench_teacher.py --length 4096 --examples 4 --threads 1 \
+           --json $R/teacher/bench_4096.json ;;
+      # the table: scores with n, paired gaps to the full cache and the best heuristic
+      table) python experiments/summarize_paired.py $R/ruler/powered \
+           cpt_recipe=$R/ruler/powered_cpt_recipe cpt_long=$R/ruler/powered_cpt_long ;;
+      *) echo "powered: PART must be heuristics, cpt_long, cpt_recipe, agree or table" >&2
+         exit 2 ;;
+    esac ;;
   ruler)  # PART: issue #34's long-context table (docs/RESULTS.md section 3), the question
     # asked after compression; four RULER families where SmolLM2's full cache scores >= 30% at
     # 1k (a 13-family pilot: `--tasks all --lengths 1024 --policies full`), 3 examples per
@@ -542,5 +569,5 @@ case "${1:-all}" in
     python experiments/summarize_ruler.py $R/ruler/heuristics cpt_long=$R/ruler/cpt_long \
       cpt_recipe=$R/ruler/cpt_recipe "${extra[@]}" \
       --tasks niah_single_1,niah_single_2,niah_multikey_1,qa_1 ;;
-  *) echo "usage: $0 base|cpt|sft|gate CKPT OUT|sfteval|ppl CKPT OUT BUDGETS|ablation|pplctx CTX CONT WINDOWS OUT GATE...|needle|mcshort|mctasks|mctasksall|mctaskslora|mctasksseed1|mctasksbidir|mctasksb22|mctasks3shot|mctasksranked|mcselect NAME OUT HEUR...|mcfewshot NAME K LIMIT [TASKS]|pplseed SEED|ctx256seed SEED|curve256 PART|ctx256b25 SEED|ctx256b15 SEED|ctx256b05 SEED|ctx256band32 SEED|curve256b25 SEED...|curve256b15 SEED...|curve256band32 SEED...|curve256band32low SEED...|curve256band32mid SEED...|ctx1024band64 SEED|ctx1024band64more SEED|select CONTEXT SELECTOR[:TAU] NAME...|ranked CONTEXT NAME...|h2or32|headroom|ruler PART" >&2; exit 2 ;;
+  *) echo "usage: $0 base|cpt|sft|gate CKPT OUT|sfteval|ppl CKPT OUT BUDGETS|ablation|pplctx CTX CONT WINDOWS OUT GATE...|needle|mcshort|mctasks|mctasksall|mctaskslora|mctasksseed1|mctasksbidir|mctasksb22|mctasks3shot|mctasksranked|mcselect NAME OUT HEUR...|mcfewshot NAME K LIMIT [TASKS]|pplseed SEED|ctx256seed SEED|curve256 PART|ctx256b25 SEED|ctx256b15 SEED|ctx256b05 SEED|ctx256band32 SEED|curve256b25 SEED...|curve256b15 SEED...|curve256band32 SEED...|curve256band32low SEED...|curve256band32mid SEED...|ctx1024band64 SEED|ctx1024band64more SEED|select CONTEXT SELECTOR[:TAU] NAME...|ranked CONTEXT NAME...|h2or32|headroom|ruler PART|powered PART" >&2; exit 2 ;;
 esac

@@ -46,6 +46,7 @@ class Asked:
     total: int
     seconds: float
     teacher: list[TeacherScore] = field(default_factory=list)  # one per gold answer
+    answer_seconds: float = 0.0  # of ``seconds``, the answer's (its share of a batch's)
 
     def record(self) -> dict[str, Any]:
         """The fields every benchmark record stores: answer, kept / total entries, eviction
@@ -96,8 +97,10 @@ def ask_agnostic(model: nn.Module, tokenizer: Any, context: Sequence[int], quest
     engine = _engine(model, tokenizer, policy, budget)
     t0 = time.perf_counter()
     compressed, _ = prefill_rows(engine, [list(context)], engine.new_cache())
+    t1 = time.perf_counter()
     texts, teacher = _ask(engine, compressed, question, scores)
-    return Asked(texts[0], *_kept(model, compressed), time.perf_counter() - t0, teacher[0])
+    t2 = time.perf_counter()
+    return Asked(texts[0], *_kept(model, compressed), t2 - t0, teacher[0], t2 - t1)
 
 
 def ask_shared(model: nn.Module, tokenizer: Any, context: Sequence[int], question: Question,
@@ -137,7 +140,7 @@ def ask_shared(model: nn.Module, tokenizer: Any, context: Sequence[int], questio
         share = (time.perf_counter() - t1) / rows
         for i, name in enumerate(names):
             out[name] = Asked(texts[i], *_kept(model, compressed[name]),
-                              prefill + own[name] + share, teacher[i])
+                              prefill + own[name] + share, teacher[i], share)
     return {name: out[name] for name in variants}
 
 
