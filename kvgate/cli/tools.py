@@ -55,7 +55,7 @@ def add_data_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
 
 
 def run_oracle(args: argparse.Namespace) -> int:
-    from kvgate.data.oracle.command import run
+    from kvgate.cli.oracle import run
 
     return run(args.config, device=args.device)
 

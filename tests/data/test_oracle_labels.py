@@ -20,7 +20,7 @@ from kvgate.data.oracle import (
 )
 from kvgate.data.oracle import compute as compute_mod
 from kvgate.data.oracle import store as store_mod
-from kvgate.data.oracle.command import label_data
+from kvgate.data.oracle.compute import label_data
 from kvgate.inference import Engine
 from kvgate.policies import KVzip
 

@@ -15,7 +15,7 @@ from lightning.pytorch.callbacks import Callback
 
 from kvgate.cli import main as kvgate_main
 from kvgate.data.oracle import OracleError, base_fingerprint
-from kvgate.data.oracle.command import label_data
+from kvgate.data.oracle.compute import label_data
 from kvgate.training.errors import TrainingConfigError
 from kvgate.training.module import KVGateModule
 

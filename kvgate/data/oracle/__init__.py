@@ -5,8 +5,8 @@ training's oracle objective (``kvgate.recipes.oracle``).
 - :mod:`.settings`: ``OracleLabels``, where the labels go and which KVzip computes them;
 - :mod:`.identity`: what labels belong to (the base's weights, the blocks' tokens);
 - :mod:`.store`: the folder (a JSON manifest and safetensors shards), atomic and resumable;
-- :mod:`.compute`: the scores of a block through the ``kvzip`` policy's own passes;
-- :mod:`.command`: the command line.
+- :mod:`.compute`: the scores of each block through the ``kvzip`` policy's own passes (the
+  command line, ``kvgate.cli.oracle``, runs ``label_data`` on a training config).
 """
 
 from kvgate.data.oracle.identity import base_fingerprint, block_layout

@@ -68,3 +68,28 @@ def compute_labels(model: Any, tokenizer: Any, blocks: Tensor, settings: OracleL
         progress(f"blocks {stop}/{total} ({rate:.1f} s/block, ~{rate * (total - stop) / 60:.0f} "
                  "min left)")
     return store
+
+
+def label_data(model: Any, tokenizer: Any, data: Any, base: str,
+               progress: Callable[[str], None] = print) -> LabelStore:
+    """The oracle labels of a CPT data module's training blocks (``data.oracle`` says where and
+    with which KVzip; ``data.train_blocks``, ``label_context`` and ``describe`` what they are)
+    on ``model``, the base named ``base``."""
+    from kvgate.data.oracle.identity import base_fingerprint, block_layout
+
+    data.tokenizer = tokenizer
+    blocks = data.train_blocks()
+    layout = block_layout(blocks, data.label_context())
+    text = getattr(model.config, "text_config", model.config)
+    identity = {
+        "base": {"id": base, "fingerprint": base_fingerprint(model)},
+        "kvzip": data.oracle.kvzip(), "layout": layout, "corpus": data.describe(),
+        "shape": {"layers": int(text.num_hidden_layers),
+                  "kv_heads": int(getattr(text, "num_key_value_heads", None)
+                                  or text.num_attention_heads)},
+    }
+    progress(f"oracle labels: {layout['blocks']} blocks x {layout['context']} tokens of {base} "
+             f"({'KVzip+' if data.oracle.plus else 'KVzip'}) -> {data.oracle.path}")
+    store = compute_labels(model, tokenizer, blocks, data.oracle, identity, progress)
+    progress(f"done: {store.manifest_path}")
+    return store

@@ -9,7 +9,6 @@ again after a kill: it continues.
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable
 from functools import partial
 from typing import Any
 
@@ -54,30 +53,7 @@ def run(config_arg: str, device: str = "cpu") -> int:
     model_cfg = config.get("model") or {}
     base = model_cfg.get("base_model", "smollm2-135m")
     model, tokenizer = load_base(base, dtype=model_cfg.get("dtype", "float32"), device=device)
+    from kvgate.data.oracle.compute import label_data
+
     label_data(model, tokenizer, data, str(base), partial(print, flush=True))
     return 0
-
-
-def label_data(model: Any, tokenizer: Any, data: Any, base: str,
-               progress: Callable[[str], None] = print) -> Any:
-    """The oracle labels of ``data``'s training blocks (``data.oracle`` says where and with
-    which KVzip) on ``model``, the base named ``base``; returns their ``LabelStore``."""
-    from kvgate.data.oracle.compute import compute_labels
-    from kvgate.data.oracle.identity import base_fingerprint, block_layout
-
-    data.tokenizer = tokenizer
-    blocks = data.train_blocks()
-    layout = block_layout(blocks, data.label_context())
-    text = getattr(model.config, "text_config", model.config)
-    identity = {
-        "base": {"id": base, "fingerprint": base_fingerprint(model)},
-        "kvzip": data.oracle.kvzip(), "layout": layout, "corpus": data.describe(),
-        "shape": {"layers": int(text.num_hidden_layers),
-                  "kv_heads": int(getattr(text, "num_key_value_heads", None)
-                                  or text.num_attention_heads)},
-    }
-    progress(f"oracle labels: {layout['blocks']} blocks x {layout['context']} tokens of {base} "
-             f"({'KVzip+' if data.oracle.plus else 'KVzip'}) -> {data.oracle.path}")
-    store = compute_labels(model, tokenizer, blocks, data.oracle, identity, progress)
-    progress(f"done: {store.manifest_path}")
-    return store
