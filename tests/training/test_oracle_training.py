@@ -14,7 +14,7 @@ from kvtrain_fixtures import SyntheticCPT, char_tokenizer, save_tiny_base, tiny_
 from lightning.pytorch.callbacks import Callback
 
 from kvgate.cli import main as kvgate_main
-from kvgate.data.oracle import OracleError, base_fingerprint
+from kvgate.data.oracle import LabelStore, OracleError, base_fingerprint
 from kvgate.data.oracle.compute import label_data
 from kvgate.training.errors import TrainingConfigError
 from kvgate.training.module import KVGateModule
@@ -63,6 +63,21 @@ def test_the_batch_carries_labels_and_the_oracle_loss_is_logged(base_dir, tmp_pa
     assert all("oracle" in keys for keys in seen.keys)
     assert all(math.isfinite(v) and v >= 0 for v in seen.oracle) and len(seen.oracle) == 3
     assert module.oracle_fingerprint == base_fingerprint(model)
+
+
+def test_one_shot_gates_learn_the_labels_of_the_prompt(base_dir, tmp_path):
+    """``prefill: full`` on prompt + continuation blocks (the two-pass training): labels cover
+    the prompt, which is all the gate decides on."""
+    data = oracle_data(tmp_path / "labels", continuation=8)
+    label_data(build(tiny_llama_config()), char_tokenizer(), data, base_dir, lambda line: None)
+    assert LabelStore(data.oracle.path).read().shape[-1] == data.label_context() == 16
+    module = KVGateModule(base_model=base_dir, train="gates", image_every_n_steps=0,
+                          gate={"prefill": "full", "gamma": 0.0, "beta": 0.4},
+                          recipe={"distill_weight": 1.0, "oracle_weight": 1.0})
+    seen = Seen()
+    fit(module, oracle_data(tmp_path / "labels", continuation=8), tmp_path, steps=2,
+        callbacks=[seen])
+    assert len(seen.oracle) == 2 and all(math.isfinite(v) for v in seen.oracle)
 
 
 def test_labels_of_another_base_are_refused_by_the_run(base_dir, tmp_path):
