@@ -145,3 +145,20 @@ def test_the_oracle_command_names_what_is_missing(base_dir, tmp_path, capsys):
     assert kvgate_main(["data", "oracle", "--config", str(config)]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: data.init_args.oracle: not set") and "\n" not in err
+
+
+@pytest.mark.parametrize("override, key", [
+    (["--model.recipe.oracle_loss", "kl"], "RecipeSettings.oracle_loss"),
+    (["--model.recipe.oracle_weight", "-1"], "RecipeSettings.oracle_weight"),
+    (["--model.recipe.oracle_keep", "0"], "RecipeSettings.oracle_keep"),
+    (["--data.oracle.chunk", "0"], "OracleLabels.chunk"),
+    (["--data.oracle.sinks", "-2"], "OracleLabels.sinks"),
+])
+def test_bad_oracle_values_in_the_recipe_are_one_line_before_loading(override, key, capsys,
+                                                                     monkeypatch):
+    import train
+
+    monkeypatch.setattr(KVGateModule, "configure_model", lambda self: pytest.fail("loaded"))
+    assert train.main(["--config", "cpt_oracle", *override]) == 2
+    err = capsys.readouterr().err
+    assert key in err and len(err.strip().splitlines()) == 1
