@@ -55,7 +55,9 @@ def compute_labels(model: Any, tokenizer: Any, blocks: Tensor, settings: OracleL
     total = int(blocks.shape[0])
     context = int(identity["layout"]["context"])
     device = next(model.parameters()).device
-    if done:
+    if done == total:
+        progress(f"{store.path}: all {total} blocks were done")
+    elif done:
         progress(f"{store.path}: {done} of {total} blocks were done; continuing")
     t0 = time.perf_counter()
     for start in range(done, total, settings.shard_blocks):  # a loop over shards
