@@ -51,14 +51,14 @@ def compute_gate(module: nn.Module, hidden: Tensor, position_embeddings, valid: 
     ``tau`` overrides the gate's keep threshold. ``previous_hidden`` [B, n' >= n, D] is the
     previous layer's input, which a ``previous_layer`` gate reads. ``own_scores``: the record
     also keeps the raw scores, with a gradient that reaches this gate alone."""
+    from kvgate.gate.module import straight_through  # the module imports this one
+
     gate_mod = module.kv_gate
     counted = counted_tokens(gate_mod.config, valid, prompt)
     if module.layer_idx < gate_mod.config.ungated_layers:
         gate = torch.ones(valid.shape[0], gate_mod.out_heads, valid.shape[1], device=valid.device)
         return GateRecord(gate, counted)
     hidden = gate_input(module, hidden, previous_hidden)
-    from kvgate.gate.module import straight_through  # the module imports this one
-
     attend = gate_attend_mask(valid, prompt, gate_mod.config.mode)
     cfg = gate_mod.config
     scores = gate_mod.scores(hidden, position_embeddings, attend)
