@@ -43,10 +43,11 @@ class Seen(Callback):
     """The training batches' keys and the logged oracle terms."""
 
     def __init__(self) -> None:
-        self.keys, self.oracle, self.agreement = [], [], []
+        self.keys, self.oracle, self.agreement, self.batches = [], [], [], []
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         self.keys.append(set(batch))
+        self.batches.append((batch["input_ids"].clone(), batch.get("oracle")))
         self.oracle.append(float(trainer.callback_metrics["train/oracle_loss"]))
         self.agreement.append(float(trainer.callback_metrics["train/oracle_agreement"]))
 
@@ -58,11 +59,17 @@ def test_the_batch_carries_labels_and_the_oracle_loss_is_logged(base_dir, tmp_pa
     module = KVGateModule(base_model=base_dir, train="gates_lora", image_every_n_steps=0,
                           gate={"gamma": 0.0, "beta": 0.4, "sinks": 2},
                           recipe={"distill_weight": 1.0, "oracle_weight": 0.5, "oracle_loss": kind})
-    seen = Seen()
-    fit(module, oracle_data(tmp_path / "labels"), tmp_path, callbacks=[seen])
+    seen, data = Seen(), oracle_data(tmp_path / "labels")
+    fit(module, data, tmp_path, callbacks=[seen])
     assert all("oracle" in keys for keys in seen.keys)
     assert all(math.isfinite(v) and v >= 0 for v in seen.oracle) and len(seen.oracle) == 3
     assert module.oracle_fingerprint == base_fingerprint(model)
+    # the sampler shuffles the blocks: each row's labels are still its own block's
+    blocks, labels = data.train_blocks(), LabelStore(data.oracle.path).read()
+    for ids, oracle in seen.batches:
+        for row, row_labels in zip(ids, oracle):
+            index = int((blocks == row).all(-1).nonzero()[0, 0])
+            assert torch.equal(row_labels, labels[index])
 
 
 def test_one_shot_gates_learn_the_labels_of_the_prompt(base_dir, tmp_path):
