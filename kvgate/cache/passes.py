@@ -86,6 +86,16 @@ def choose_all(cache: Any) -> None:
     cache.awaiting_passes = False
 
 
+def running_scores(cache: Any) -> Tensor:
+    """Every layer's scores after a ``PassScoring`` policy's passes and before its choice:
+    ``[L, B, H_kv, T]`` fp32 in slot layout (slot t: the sample's t-th real token; padding
+    slots hold 0). What ``choose_all`` would rank; the oracle labels store them."""
+    if not cache.awaiting_passes or any(layer.scores is None for layer in cache.layers):
+        raise CacheError("running scores exist between a PassScoring policy's prefill and "
+                         "its choice")
+    return torch.stack([layer.scores for layer in cache.layers])
+
+
 @contextmanager
 def extra_pass(cache: Any, valid: Tensor) -> Iterator[Any]:
     """Inside: every forward over ``cache`` is an extra pass of its ``PassScoring`` policy
@@ -143,4 +153,5 @@ def pass_attention(cache: Any, layer: Any, module: Any, query: Tensor, key: Tens
     return out.transpose(1, 2)
 
 
-__all__ = ["choose_all", "defers_choice", "extra_pass", "pass_attention", "stash_layer"]
+__all__ = ["choose_all", "defers_choice", "extra_pass", "pass_attention", "running_scores",
+           "stash_layer"]

@@ -6,6 +6,7 @@
     kvgate export runs/cpt_demo/checkpoints/last.ckpt out/gated
     kvgate prepare smollm2-135m        # one-time conversion of an embedded GGUF model
     kvgate data                        # build the CPT corpus once and print its mix
+    kvgate data oracle --config cpt_oracle   # the base's KVzip labels of a config's blocks
 
 ``kvgate COMMAND --help`` shows a command's options. A mistake the user can fix (a bad name,
 value, file, model or setting: any ``kvgate.errors.KVGateError``) prints ``error: <first

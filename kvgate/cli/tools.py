@@ -1,5 +1,6 @@
-"""``kvgate prepare`` (the one-time conversion of embedded GGUF models) and ``kvgate data``
-(build the CPT corpus once and print its mix)."""
+"""``kvgate prepare`` (the one-time conversion of embedded GGUF models), ``kvgate data``
+(build the CPT corpus once and print its mix) and ``kvgate data oracle`` (a config's KVzip
+labels)."""
 
 from __future__ import annotations
 
@@ -37,7 +38,26 @@ def add_data_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--no-tokens", action="store_true", help="skip the token count")
     p.add_argument("--debug", action="store_true", help="show tracebacks")
     p.set_defaults(run=run_data)
+    sub_data = p.add_subparsers(dest="data_command", metavar="{oracle}")
+    o = sub_data.add_parser(
+        "oracle", help="the base's KVzip scores of a training config's blocks (oracle labels)",
+        description="Compute the frozen base's KVzip (or KVzip+) scores of every training block "
+                    "of a config, per layer, KV head and token, into data.init_args.oracle.path "
+                    "(with the base's fingerprint); the oracle objective "
+                    "(model.recipe.oracle_weight) trains on them. Run it again after a kill: it "
+                    "continues.")
+    o.add_argument("--config", required=True, metavar="NAME",
+                   help="the training config (a file, or NAME for configs/NAME.yaml)")
+    o.add_argument("--device", default="cpu", help="torch device (default cpu)")
+    o.add_argument("--debug", action="store_true", help="show tracebacks")
+    o.set_defaults(run=run_oracle)
     return p
+
+
+def run_oracle(args: argparse.Namespace) -> int:
+    from kvgate.cli.oracle import run
+
+    return run(args.config, device=args.device)
 
 
 def run_data(args: argparse.Namespace) -> int:

@@ -21,6 +21,7 @@ from kvgate.gate.patch import (
     gates_open,
     patch,
     prompt_segment,
+    recorded_scores,
     set_gates_trainable,
     unpatch,
 )
@@ -46,6 +47,7 @@ __all__ = [
     "last_flags",
     "patch",
     "prompt_segment",
+    "recorded_scores",
     "retention_stats",
     "set_gates_trainable",
     "straight_through",

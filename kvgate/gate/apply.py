@@ -19,6 +19,10 @@ class GateRecord:
 
     gate: Tensor  # [B, H_gate, n] straight-through values (1 = keep)
     counted: Tensor  # [B, n] bool: real tokens whose flags count (padding and non-prompt excluded)
+    forced: Tensor | None = None  # [B, n] bool: kept whatever the gate says (None: ungated)
+    # [B, H_gate, n] raw scores whose gradient reaches this gate's parameters only (kept when
+    # the router asks: the oracle objective, kvgate.recipes.oracle); None otherwise
+    scores: Tensor | None = None
 
 
 def gate_attend_mask(valid: Tensor, prompt: Tensor | None, mode: str) -> Tensor | None:
@@ -47,22 +51,34 @@ def gate_attention_mask(gate_mod: nn.Module, valid: Tensor, prompt: Tensor | Non
 
 def compute_gate(module: nn.Module, hidden: Tensor, position_embeddings, valid: Tensor,
                  prompt: Tensor | None = None, tau: float | None = None,
-                 previous_hidden: Tensor | None = None) -> GateRecord:
+                 previous_hidden: Tensor | None = None, own_scores: bool = False) -> GateRecord:
     """Straight-through keep flags of one layer: [B, H_gate, n], with sinks, padding and
     (in prompt_bidirectional mode or with a full prefill) non-prompt tokens forced to 1.
     ``tau`` overrides the gate's keep threshold. ``previous_hidden`` [B, n' >= n, D] is the
-    previous layer's input, which a ``previous_layer`` gate reads."""
+    previous layer's input, which a ``previous_layer`` gate reads. ``own_scores``: the record
+    also keeps the raw scores, with a gradient that reaches this gate alone."""
+    from kvgate.gate.base import straight_through  # the gates import this module
+
     gate_mod = module.kv_gate
     counted = counted_tokens(gate_mod.config, valid, prompt)
     if module.layer_idx < gate_mod.config.ungated_layers:
         gate = torch.ones(valid.shape[0], gate_mod.out_heads, valid.shape[1], device=valid.device)
         return GateRecord(gate, counted)
     hidden = gate_input(module, hidden, previous_hidden)
-    gate = gate_mod(hidden, position_embeddings, gate_attention_mask(gate_mod, valid, prompt),
-                    tau=tau)
-    forced = forced_tokens(gate_mod.config, valid, counted, prompt)
+    attend = gate_attention_mask(gate_mod, valid, prompt)
+    cfg = gate_mod.config
+    scores = gate_mod.scores(hidden, position_embeddings, attend)
+    gate = straight_through(scores, cfg.gamma, cfg.tau if tau is None else tau)
+    forced = forced_tokens(cfg, valid, counted, prompt)
     gate = torch.where(forced[:, None, :], torch.ones_like(gate), gate)
-    return GateRecord(gate, counted)
+    record = GateRecord(gate, counted, forced)
+    if own_scores:
+        # a target for the gate's score (oracle labels) must not move what feeds the gate
+        # (LoRA, earlier layers' gates): the scores again from the input cut from its history;
+        # no second pass where nothing upstream trains
+        record.scores = (gate_mod.scores(hidden.detach(), position_embeddings, attend)
+                         if hidden.requires_grad else scores)
+    return record
 
 
 def gate_ranking(module: nn.Module, hidden: Tensor, position_embeddings, valid: Tensor,
@@ -141,7 +157,8 @@ def gated_layer_attention(module: nn.Module, query: Tensor, key: Tensor, value: 
     call = context.call(module.layer_idx)
     record = compute_gate(module, call.hidden, call.position_embeddings, valid,
                           router.prompt_mask,
-                          previous_hidden=context.call(module.layer_idx - 1).hidden)
+                          previous_hidden=context.call(module.layer_idx - 1).hidden,
+                          own_scores=router.gate_scores)
     router.records[module.layer_idx] = record
     allowed = None if attention_mask is None else attention_mask
     prompt = None

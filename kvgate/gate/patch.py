@@ -115,6 +115,18 @@ def prompt_segment(model: nn.Module, prompt_mask: Tensor | None) -> Iterator[Non
         router.prompt_mask = before
 
 
+@contextmanager
+def recorded_scores(model: nn.Module, on: bool = True) -> Iterator[None]:
+    """While inside (and ``on``), each gated layer's record keeps its gate's raw scores, with a
+    gradient that reaches that gate only (``GateRecord.scores``; the oracle objective)."""
+    router = dispatch.install(model)
+    before, router.gate_scores = router.gate_scores, bool(on)
+    try:
+        yield
+    finally:
+        router.gate_scores = before
+
+
 def set_gates_trainable(model: nn.Module, trainable: bool = True) -> list[nn.Parameter]:
     params = [p for g in gate_modules(model) for p in g.parameters()]
     for p in params:

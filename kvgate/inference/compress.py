@@ -118,10 +118,12 @@ def asker(tokenizer: Any, chat: bool) -> Ask:
 
 @torch.no_grad()
 def run_passes(model: Any, tokenizer: Any, cache: CompressedCache, ids: Tensor, mask: Tensor,
-               chat: bool | None = None) -> None:
+               chat: bool | None = None, choose: bool = True) -> None:
     """A ``PassScoring`` policy's extra passes over a prefilled ``cache`` (prompt ``ids`` /
     ``mask`` [B, n], left padded), then its choice for every layer; nothing for any other
-    policy. ``chat``: ask through the chat template (default: where the tokenizer has one)."""
+    policy. ``chat``: ask through the chat template (default: where the tokenizer has one).
+    ``choose=False`` stops before the choice: the cache still holds every entry and the
+    passes' scores (``kvgate.cache.passes.running_scores``; the oracle labels read them)."""
     if not (isinstance(cache.policy, PassScoring) and cache.awaiting_passes):
         return
     if tokenizer is None:
@@ -135,7 +137,8 @@ def run_passes(model: Any, tokenizer: Any, cache: CompressedCache, ids: Tensor, 
             model(input_ids=pass_ids, attention_mask=torch.cat([mask, valid.long()], dim=1),
                   position_ids=positions, past_key_values=cache, use_cache=True,
                   logits_to_keep=1)
-    choose_all(cache)
+    if choose:
+        choose_all(cache)
 
 
 def _tokenizer_ready(tokenizer: Any) -> None:

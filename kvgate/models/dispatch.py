@@ -100,6 +100,7 @@ class Router:
     prompt_mask: Tensor | None = None  # [B, n] bool: the prompt of the coming forwards
     prefix: dict[int, Any] | None = None  # one-shot training's stored prompt, per layer
     records: dict[int, Any] = field(default_factory=dict)  # the last forward's gate decisions
+    gate_scores: bool = False  # records also keep each gate's raw scores (the oracle objective)
 
 
 def attention_modules(model: nn.Module) -> list[nn.Module]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from kvgate.errors import KVGateError
@@ -9,6 +10,10 @@ from kvgate.errors import KVGateError
 
 class RecipeError(KVGateError, ValueError):
     """A recipe setting is out of range; the message names the key."""
+
+
+def _number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 @dataclass
@@ -30,6 +35,10 @@ class RecipeSettings:
     warmstart_steps: int = 0  # first steps train gates on heuristic keep labels (BCE); 0 = off
     warmstart_policy: str = "h2o"  # heuristic whose masks are the labels (h2o | snapkv | ...)
     warmstart_keep: float | None = None  # keep ratio of the labels; None = gate.beta
+    # gates against the base's KVzip labels (kvgate.recipes.oracle; data.init_args.oracle)
+    oracle_weight: float = 0.0  # weight of the oracle loss; 0 = off
+    oracle_loss: str = "mse_log"  # mse_log (KVzap) | bce (Fast KVzip) | rank (pairwise)
+    oracle_keep: float | None = None  # KVzip's keep ratio for the labels; None = current beta
 
     def __post_init__(self) -> None:
         def bad(key: str, why: str) -> RecipeError:
@@ -39,8 +48,10 @@ class RecipeSettings:
             raise bad("lm_weight", "must be >= 0")
         if self.distill_weight < 0:
             raise bad("distill_weight", "must be >= 0")
-        if self.lm_weight == 0 and self.distill_weight == 0:
-            raise bad("lm_weight", "lm_weight and distill_weight cannot both be 0")
+        if not _number(self.oracle_weight) or self.oracle_weight < 0:
+            raise bad("oracle_weight", "must be a number >= 0")
+        if self.lm_weight == 0 and self.distill_weight == 0 and self.oracle_weight == 0:
+            raise bad("lm_weight", "lm_weight, distill_weight and oracle_weight cannot all be 0")
         if self.distill_temperature <= 0:
             raise bad("distill_temperature", "must be > 0")
         if self.distill_teacher not in ("adapted", "base"):
@@ -55,6 +66,13 @@ class RecipeSettings:
             raise bad("warmstart_steps", "must be >= 0")
         if self.warmstart_keep is not None and not 0.0 < self.warmstart_keep <= 1.0:
             raise bad("warmstart_keep", "must lie in (0, 1] or be null")
+        from kvgate.recipes.oracle import ORACLE_LOSSES
+
+        if self.oracle_loss not in ORACLE_LOSSES:
+            raise bad("oracle_loss", f"must be one of {' | '.join(ORACLE_LOSSES)}")
+        if self.oracle_keep is not None and not (_number(self.oracle_keep)
+                                                 and 0.0 < self.oracle_keep <= 1.0):
+            raise bad("oracle_keep", "must lie in (0, 1] or be null")
         if self.warmstart_steps:
             from kvgate.policies import list_policies
 

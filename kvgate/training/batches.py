@@ -1,7 +1,8 @@
 """The training batches: packed CPT blocks, SFT prompt + answer rows, and option-scoring rows.
 
 The batch contract of ``kvgate.training.module``: ``input_ids`` [B, n] long,
-``attention_mask`` [B, n] long, ``labels`` [B, n] long (-100 = no loss), and for SFT
+``attention_mask`` [B, n] long, ``labels`` [B, n] long (-100 = no loss), for CPT with oracle
+labels ``oracle`` [B, L, H_kv, context] fp16 (log KVzip scores, ``kvgate.data.oracle``), and for SFT
 ``prompt_mask`` [B, n] bool (the context tokens) and, when wrong choices are trained through
 the distillation, ``distill_mask`` [B, n] bool. SFT validation batches score every option:
 each example contributes one row per choice and the batch adds ``example_index`` [M],
@@ -105,12 +106,19 @@ def collate_options(examples: Sequence[dict[str, Any]], pad_id: int) -> dict[str
     return batch
 
 
-def collate_blocks(rows: Sequence[Tensor], continuation: int = 0) -> dict[str, Tensor]:
+def collate_blocks(rows: Sequence[Tensor | tuple[Tensor, Tensor]],
+                   continuation: int = 0) -> dict[str, Tensor]:
     """Packed CPT blocks [seq_len] -> batch with every token labelled, or with
     ``continuation > 0``: the last ``continuation`` tokens labelled and the rest marked as the
-    prompt (``prompt_mask``), as a prompt + continuation split at inference."""
+    prompt (``prompt_mask``), as a prompt + continuation split at inference. Rows of
+    ``(block, oracle labels [L, H_kv, context])`` add ``oracle`` [B, L, H_kv, context]."""
+    rows = list(rows)
+    extra = {}
+    if rows and isinstance(rows[0], tuple):
+        rows, labels = zip(*rows)
+        extra["oracle"] = torch.stack(list(labels))
     ids = torch.stack(list(rows))
-    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), **extra}
     if not continuation:
         return batch | {"labels": ids.clone()}
     prompt = torch.zeros_like(ids, dtype=torch.bool)

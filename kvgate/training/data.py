@@ -18,6 +18,7 @@ import torch
 from torch import Tensor
 from torch.utils.data import Dataset
 
+from kvgate.data.oracle.settings import OracleLabels, oracle_settings
 from kvgate.training.batches import (
     TensorRows,
     collate_blocks,
@@ -61,7 +62,8 @@ class CPTDataModule(KVGateDataModule):
     def __init__(self, source: CorpusSource = "embedded", files: list[str] | None = None,
                  max_docs: int | None = None, seq_len: int = 256, val_fraction: float = 0.02,
                  batch_size: int = 4, val_batch_size: int | None = None, seed: int = 0,
-                 num_workers: int = 0, continuation: int = 0) -> None:
+                 num_workers: int = 0, continuation: int = 0,
+                 oracle: OracleLabels | None = None) -> None:
         """
         Args:
             source: ``embedded`` (the corpus shipped with kvgate), ``files`` (local .txt /
@@ -74,6 +76,10 @@ class CPTDataModule(KVGateDataModule):
                 ``seq_len - continuation`` tokens, ``prompt_mask``) and a scored continuation,
                 the way perplexity under eviction is measured: a ``prompt_bidirectional`` gate
                 then sees the whole prompt, knows where it ends, and flags prompt tokens only.
+            oracle: the KVzip labels of the training blocks (``kvgate data oracle``), over
+                each block's prompt (all of it when ``continuation`` is 0). Loaded, and checked
+                against this run's base and blocks, when ``model.recipe.oracle_weight > 0``;
+                each training batch then carries ``oracle`` [B, L, H_kv, context].
         """
         super().__init__(batch_size, val_batch_size, seed, num_workers)
         if source not in ("embedded", "files", "redpajama"):
@@ -97,6 +103,10 @@ class CPTDataModule(KVGateDataModule):
         self.seq_len = seq_len
         self.val_fraction = val_fraction
         self.continuation = continuation
+        self.oracle = oracle_settings(oracle)
+        # the base's fingerprint (kvgate.data.oracle.base_fingerprint) when the batches must
+        # carry labels: taken from the attached KVGateModule, or set by hand without a Trainer
+        self.oracle_base: str | None = None
         self._splits: tuple[Tensor, Tensor] | None = None
 
     def load_documents(self) -> list[str]:
@@ -132,8 +142,47 @@ class CPTDataModule(KVGateDataModule):
         ids = tokenizer(docs, add_special_tokens=False)["input_ids"]
         return pack_documents(ids, self.seq_len, tokenizer.eos_token_id)
 
+    def train_blocks(self) -> Tensor:
+        """The training blocks ``[N, seq_len]`` in their fixed order (the sampler shuffles)."""
+        return self._blocks(self.get_tokenizer())[0]
+
+    def label_context(self) -> int:
+        """Tokens of each block that oracle labels cover: the prompt (the whole block when no
+        continuation is split off)."""
+        return self.seq_len - self.continuation
+
+    def describe(self) -> dict:
+        """What the blocks come from (recorded beside oracle labels, for people)."""
+        return {"class": type(self).__name__, "source": self.source, "files": self.files,
+                "max_docs": self.max_docs, "seq_len": self.seq_len,
+                "val_fraction": self.val_fraction, "seed": self.seed,
+                "continuation": self.continuation}
+
+    def wanted_oracle_base(self) -> str | None:
+        """The base fingerprint the labels must match when batches carry them, else None."""
+        module = self.trainer.lightning_module if self._trainer_attached() else None
+        recipe = getattr(module, "recipe_cfg", None)
+        if recipe is None:
+            return self.oracle_base
+        if not recipe.oracle_weight:
+            return None
+        if getattr(module, "oracle_fingerprint", None) is None:
+            raise TrainingConfigError("model.recipe.oracle_weight: the base's fingerprint is "
+                                      "not known before the model is built")
+        return module.oracle_fingerprint
+
     def build_train(self, tokenizer) -> Dataset:
-        return TensorRows(list(self._blocks(tokenizer)[0]))
+        blocks = self._blocks(tokenizer)[0]
+        base = self.wanted_oracle_base()
+        if base is None:
+            return TensorRows(list(blocks))
+        if self.oracle is None:
+            raise TrainingConfigError("model.recipe.oracle_weight > 0 trains on KVzip labels: "
+                                      "set data.init_args.oracle (see kvgate data oracle)")
+        from kvgate.data.oracle import block_layout, load_labels
+
+        labels = load_labels(self.oracle, base, block_layout(blocks, self.label_context()))
+        return TensorRows(list(zip(blocks, labels)))
 
     def build_val(self, tokenizer) -> Dataset | None:
         val = self._blocks(tokenizer)[1]

@@ -7,7 +7,8 @@ Three regimes (``train``):
 
 Loss = LM loss over the batch's ``labels`` (every token for CPT, answer tokens only for SFT)
 + the distillation KL to the gates-open teacher (``recipe``) + the eviction loss
-``alpha * |mean(gate) - beta|`` (``kvgate.training.objective``).
+``alpha * |mean(gate) - beta|`` + the oracle loss against the base's KVzip labels
+(``recipe.oracle_weight``) (``kvgate.training.objective``).
 
 The base model is built in ``configure_model`` (not ``__init__``; ``kvgate.training.build``):
 every setting is validated first, so a config error fails before a multi-GB download or load,
@@ -120,6 +121,14 @@ class KVGateModule(TrainingObjective, L.LightningModule):
             raise TrainingConfigError(
                 f"KVGateModule.image_every_n_steps: must be >= 0 (got {image_every_n_steps!r})")
         check_quantize(quantize)
+        recipe_cfg = _as(RecipeSettings, recipe)
+        if recipe_cfg.oracle_weight:
+            if train == "lora":
+                raise TrainingConfigError("model.recipe.oracle_weight: the oracle loss trains "
+                                          "gates; train 'lora' has none (use gates or gates_lora)")
+            if _as(GateConfig, gate).target != "kv":
+                raise TrainingConfigError("model.recipe.oracle_weight: oracle labels are per KV "
+                                          "head; set model.gate.target: kv")
         if init_from is not None:
             check_init_from(init_from, train)
         self.base_model = base_model
@@ -127,7 +136,7 @@ class KVGateModule(TrainingObjective, L.LightningModule):
         self.gate_cfg = _as(GateConfig, gate)
         self.lora_cfg = _as(LoraSettings, lora)
         self.optim_cfg = _as(OptimSettings, optim)
-        self.recipe_cfg = _as(RecipeSettings, recipe)
+        self.recipe_cfg = recipe_cfg
         self.dtype_name = dtype
         self.quantize = quantize
         self.gradient_checkpointing = gradient_checkpointing
@@ -148,6 +157,7 @@ class KVGateModule(TrainingObjective, L.LightningModule):
         self.model: nn.Module | None = None
         self.tokenizer = None
         self.fingerprint: str | None = None
+        self.oracle_fingerprint: str | None = None  # the base's weights, when labels are read
         self.val_acc = MulticlassAccuracy(num_classes=MAX_CHOICES, average="micro")
         self.capture_flags = False  # set by EvictionImageLogger for the step it draws
         self.last_flags: Tensor | None = None  # [L, H_gate, n] flags of sample 0, on the CPU
@@ -174,6 +184,10 @@ class KVGateModule(TrainingObjective, L.LightningModule):
             raise TrainingConfigError(
                 "data.answers: 'all' trains the wrong choices through the distillation only; "
                 "set model.recipe.distill_weight > 0 (with gates) or data.answers: gold")
+        if self.recipe_cfg.oracle_weight and getattr(data, "oracle", None) is None:
+            raise TrainingConfigError(
+                "model.recipe.oracle_weight > 0 trains on KVzip labels: set data.init_args.oracle "
+                "(CPT data; computed by kvgate data oracle --config ...)")
 
     def configure_model(self) -> None:
         """Load the frozen base, add LoRA, then patch the gates (in that order: peft must
@@ -187,6 +201,10 @@ class KVGateModule(TrainingObjective, L.LightningModule):
         else:
             model, tokenizer = load_base(self.base_model, dtype=self.dtype_name)
         self.fingerprint = model_fingerprint(model.config)
+        if self.gated and self.recipe_cfg.oracle_weight:  # the labels are this base's own
+            from kvgate.data.oracle import base_fingerprint
+
+            self.oracle_fingerprint = base_fingerprint(model)
         self.model = prepare_for_training(
             model, quantized=self.quantize != "none",
             gradient_checkpointing=self.gradient_checkpointing,
@@ -242,6 +260,9 @@ class KVGateModule(TrainingObjective, L.LightningModule):
         self.log("train/lm_loss", terms["lm"], prog_bar=True, batch_size=bsz)
         if "distill" in terms:
             self.log("train/distill_kl", terms["distill"], prog_bar=True, batch_size=bsz)
+        if "oracle" in terms:
+            self.log("train/oracle_loss", terms["oracle"], prog_bar=True, batch_size=bsz)
+            self.log("train/oracle_agreement", terms["oracle_agreement"], batch_size=bsz)
         if self.gated:
             ev, stats = terms["evict"], terms["stats"]
             self.log("train/beta", self.current_beta(), batch_size=bsz)

@@ -2,8 +2,10 @@
 
 Loss = ``recipe.lm_weight`` x LM loss over the batch's ``labels`` (every token for CPT, answer
 tokens only for SFT) + ``recipe.distill_weight`` x the KL to the gates-open teacher + the
-eviction loss ``alpha * |mean(gate) - beta|``, with beta annealed by the recipe. Before that, a
-recipe may warm the gates up on a heuristic's keep masks (``warmstart_objective``).
+eviction loss ``alpha * |mean(gate) - beta|``, with beta annealed by the recipe, + with oracle
+labels ``recipe.oracle_weight`` x the oracle loss (``kvgate.recipes.oracle``: the gates' scores
+against the base's KVzip scores, a gradient for the gates alone). Before that, a recipe may warm
+the gates up on a heuristic's keep masks (``warmstart_objective``).
 
 A one-shot gate trained alone on a batch of one shared prompt length runs in two passes
 (``kvgate.gate.prefix``): the prompt encoded once without autograd, then the continuation;
@@ -16,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from kvgate.gate import clear_records, eviction_loss, gate_records
+from kvgate.gate import clear_records, eviction_loss, gate_records, recorded_scores
 from kvgate.gate.prefix import continuation_positions, encoded_prompt, split_point
 from kvgate.policies import Budget, get_policy
 from kvgate.recipes import (
@@ -26,6 +28,8 @@ from kvgate.recipes import (
     teacher_logits,
     warmstart_loss,
 )
+from kvgate.recipes.oracle import oracle_loss
+from kvgate.training.errors import TrainingConfigError
 
 
 def causal_lm_loss(logits: Tensor, labels: Tensor) -> tuple[Tensor, Tensor]:
@@ -99,9 +103,26 @@ class TrainingObjective:
         return split_point(ids, batch.get("attention_mask"), batch.get("prompt_mask"),
                            batch.get("labels"))
 
+    def oracle_terms(self, batch: dict[str, Tensor]) -> tuple[Tensor, dict[str, Tensor]]:
+        """The oracle loss of the forward that just ran (inside ``recorded_scores``) against
+        the batch's labels, and its ``agreement`` with KVzip's keep decisions."""
+        labels = batch.get("oracle")
+        if labels is None:
+            raise TrainingConfigError("model.recipe.oracle_weight > 0, but the batch carries no "
+                                      "oracle labels (data.init_args.oracle; CPT only)")
+        r, g = self.recipe_cfg, self.gate_cfg
+        keep = r.oracle_keep if r.oracle_keep is not None else self.current_beta()
+        return oracle_loss(self.model, labels, r.oracle_loss, keep, g.gamma, g.tau)
+
     def objective(self, batch: dict[str, Tensor]) -> tuple[Tensor, dict[str, Tensor]]:
         """The training loss of one batch and its terms: ``lm``, ``distill`` (when
-        distilling), and with gates ``evict`` and the retention ``stats``."""
+        distilling), with gates ``evict`` and the retention ``stats``, and with oracle labels
+        ``oracle`` and ``oracle_agreement``."""
+        oracle = self.gated and bool(self.recipe_cfg.oracle_weight)
+        with recorded_scores(self.model, on=oracle):
+            return self._objective(batch, oracle)
+
+    def _objective(self, batch: dict[str, Tensor], oracle: bool) -> tuple[Tensor, dict[str, Tensor]]:
         r = self.recipe_cfg
         split = self.prompt_split(batch)
         # the KL covers the labelled positions, or every choice's answer where the batch says so
@@ -126,6 +147,10 @@ class TrainingObjective:
                                    r.distill_temperature)
             loss = loss + r.distill_weight * kd
             terms["distill"] = kd
+        if oracle:  # before gate_terms clears the records
+            term, info = self.oracle_terms(batch)
+            loss = loss + r.oracle_weight * term
+            terms |= {"oracle": term, "oracle_agreement": info["agreement"]}
         if self.gated:
             ev, stats = self.gate_terms(batch)
             loss = loss + ev

@@ -1,0 +1,171 @@
+"""Training on oracle labels: ``kvgate data oracle`` then ``kvgate train`` on one config, the
+batch carrying the labels, the oracle loss logged beside the others, and one-line refusals."""
+
+from __future__ import annotations
+
+import math
+
+import lightning as L
+import pytest
+import torch
+import yaml
+from conftest import build, tiny_llama_config
+from kvtrain_fixtures import SyntheticCPT, char_tokenizer, save_tiny_base, tiny_config
+from lightning.pytorch.callbacks import Callback
+
+from kvgate.cli import main as kvgate_main
+from kvgate.data.oracle import LabelStore, OracleError, base_fingerprint
+from kvgate.data.oracle.compute import label_data
+from kvgate.training.errors import TrainingConfigError
+from kvgate.training.module import KVGateModule
+
+ORACLE = {"chunk": 16, "shard_blocks": 16}
+
+
+@pytest.fixture(scope="module")
+def base_dir(tmp_path_factory):
+    return save_tiny_base(tmp_path_factory.mktemp("tiny") / "llama")
+
+
+def oracle_data(path, **kwargs) -> SyntheticCPT:
+    return SyntheticCPT(n_docs=4, seq_len=24, batch_size=2, val_fraction=0.0,
+                        oracle={"path": str(path), **ORACLE}, **kwargs)
+
+
+def fit(module, data, root, steps=3, callbacks=()):
+    L.Trainer(max_steps=steps, accelerator="cpu", devices=1, logger=False,
+              enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+              limit_val_batches=0, default_root_dir=root,
+              callbacks=list(callbacks)).fit(module, data)
+
+
+class Seen(Callback):
+    """The training batches' keys and the logged oracle terms."""
+
+    def __init__(self) -> None:
+        self.keys, self.oracle, self.agreement, self.batches = [], [], [], []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.keys.append(set(batch))
+        self.batches.append((batch["input_ids"].clone(), batch.get("oracle")))
+        self.oracle.append(float(trainer.callback_metrics["train/oracle_loss"]))
+        self.agreement.append(float(trainer.callback_metrics["train/oracle_agreement"]))
+
+
+@pytest.mark.parametrize("kind", ["mse_log", "bce", "rank"])
+def test_the_batch_carries_labels_and_the_oracle_loss_is_logged(base_dir, tmp_path, kind):
+    model, tok = build(tiny_llama_config()), char_tokenizer()
+    label_data(model, tok, oracle_data(tmp_path / "labels"), base_dir, lambda line: None)
+    module = KVGateModule(base_model=base_dir, train="gates_lora", image_every_n_steps=0,
+                          gate={"gamma": 0.0, "beta": 0.4, "sinks": 2},
+                          recipe={"distill_weight": 1.0, "oracle_weight": 0.5, "oracle_loss": kind})
+    seen, data = Seen(), oracle_data(tmp_path / "labels")
+    fit(module, data, tmp_path, callbacks=[seen])
+    assert all("oracle" in keys for keys in seen.keys)
+    assert all(math.isfinite(v) and v >= 0 for v in seen.oracle) and len(seen.oracle) == 3
+    assert module.oracle_fingerprint == base_fingerprint(model)
+    # the sampler shuffles the blocks: each row's labels are still its own block's
+    blocks, labels = data.train_blocks(), LabelStore(data.oracle.path).read()
+    for ids, oracle in seen.batches:
+        for row, row_labels in zip(ids, oracle):
+            index = int((blocks == row).all(-1).nonzero()[0, 0])
+            assert torch.equal(row_labels, labels[index])
+
+
+def test_one_shot_gates_learn_the_labels_of_the_prompt(base_dir, tmp_path):
+    """``prefill: full`` on prompt + continuation blocks (the two-pass training): labels cover
+    the prompt, which is all the gate decides on."""
+    data = oracle_data(tmp_path / "labels", continuation=8)
+    label_data(build(tiny_llama_config()), char_tokenizer(), data, base_dir, lambda line: None)
+    assert LabelStore(data.oracle.path).read().shape[-1] == data.label_context() == 16
+    module = KVGateModule(base_model=base_dir, train="gates", image_every_n_steps=0,
+                          gate={"prefill": "full", "gamma": 0.0, "beta": 0.4},
+                          recipe={"distill_weight": 1.0, "oracle_weight": 1.0})
+    seen = Seen()
+    fit(module, oracle_data(tmp_path / "labels", continuation=8), tmp_path, steps=2,
+        callbacks=[seen])
+    assert len(seen.oracle) == 2 and all(math.isfinite(v) for v in seen.oracle)
+
+
+def test_labels_of_another_base_are_refused_by_the_run(base_dir, tmp_path):
+    other = build(tiny_llama_config())
+    with torch.no_grad():
+        other.lm_head.weight.add_(0.01)
+    label_data(other, char_tokenizer(), oracle_data(tmp_path / "labels"), "other",
+               lambda line: None)
+    module = KVGateModule(base_model=base_dir, train="gates", image_every_n_steps=0,
+                          recipe={"oracle_weight": 1.0})
+    with pytest.raises(OracleError, match="another base") as err:
+        fit(module, oracle_data(tmp_path / "labels"), tmp_path)
+    assert "\n" not in str(err.value)
+
+
+def test_labels_are_read_only_when_the_oracle_trains(base_dir, tmp_path):
+    """Without oracle_weight the labels folder is never read (it need not even exist)."""
+    module = KVGateModule(base_model=base_dir, train="gates", image_every_n_steps=0)
+    fit(module, oracle_data(tmp_path / "absent"), tmp_path, steps=1)
+    assert module.oracle_fingerprint is None
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"train": "lora", "recipe": {"oracle_weight": 1.0}}, "train 'lora' has none"),
+    ({"train": "gates", "gate": {"target": "query"}, "recipe": {"oracle_weight": 1.0}},
+     "set model.gate.target: kv"),
+])
+def test_oracle_settings_the_model_cannot_use_are_one_line_errors(base_dir, kwargs, match):
+    with pytest.raises(TrainingConfigError, match=match) as err:
+        KVGateModule(base_model=base_dir, image_every_n_steps=0, **kwargs)
+    assert "\n" not in str(err.value)
+
+
+def test_an_oracle_run_without_labels_is_refused_before_the_model_loads(base_dir, tmp_path,
+                                                                         monkeypatch):
+    module = KVGateModule(base_model=base_dir, train="gates", image_every_n_steps=0,
+                          recipe={"oracle_weight": 1.0})
+    monkeypatch.setattr(KVGateModule, "configure_model", lambda self: pytest.fail("loaded"))
+    data = SyntheticCPT(n_docs=4, seq_len=24, batch_size=2, val_fraction=0.0)
+    with pytest.raises(TrainingConfigError, match="set data.init_args.oracle"):
+        fit(module, data, tmp_path)
+
+
+def test_labels_then_training_from_one_config(base_dir, tmp_path, capsys):
+    """The two commands of a recipe's header: ``kvgate data oracle --config`` (run twice: the
+    second finds everything done), then ``kvgate train --config``."""
+    import train
+
+    config = tiny_config(tmp_path, base_dir)
+    cfg = yaml.safe_load(config.read_text())
+    cfg["model"]["train"] = "gates"
+    cfg["model"]["recipe"] = {"lm_weight": 0.0, "oracle_weight": 1.0, "oracle_loss": "bce"}
+    cfg["data"]["init_args"] |= {"n_docs": 4, "seq_len": 24,
+                                 "oracle": {"path": str(tmp_path / "labels"), **ORACLE}}
+    config.write_text(yaml.safe_dump(cfg))
+    assert kvgate_main(["data", "oracle", "--config", str(config)]) == 0
+    assert "done:" in capsys.readouterr().out
+    assert kvgate_main(["data", "oracle", "--config", str(config)]) == 0
+    assert train.main(["--config", str(config)]) == 0
+    assert (tmp_path / "run" / "gated" / "kvgate_config.json").is_file()
+
+
+def test_the_oracle_command_names_what_is_missing(base_dir, tmp_path, capsys):
+    config = tiny_config(tmp_path, base_dir)  # no data.init_args.oracle
+    assert kvgate_main(["data", "oracle", "--config", str(config)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: data.init_args.oracle: not set") and "\n" not in err
+
+
+@pytest.mark.parametrize("override, key", [
+    (["--model.recipe.oracle_loss", "kl"], "RecipeSettings.oracle_loss"),
+    (["--model.recipe.oracle_weight", "-1"], "RecipeSettings.oracle_weight"),
+    (["--model.recipe.oracle_keep", "0"], "RecipeSettings.oracle_keep"),
+    (["--data.oracle.chunk", "0"], "OracleLabels.chunk"),
+    (["--data.oracle.sinks", "-2"], "OracleLabels.sinks"),
+])
+def test_bad_oracle_values_in_the_recipe_are_one_line_before_loading(override, key, capsys,
+                                                                     monkeypatch):
+    import train
+
+    monkeypatch.setattr(KVGateModule, "configure_model", lambda self: pytest.fail("loaded"))
+    assert train.main(["--config", "cpt_oracle", *override]) == 2
+    err = capsys.readouterr().err
+    assert key in err and len(err.strip().splitlines()) == 1
