@@ -496,7 +496,7 @@ case "${1:-all}" in
       # teacher scoring against generation (32 tokens) on the same 4k examples: the cost ratio
       # and the agreement, disagreeing answers listed -> $R/teacher/bench_4096.json
       agree) mkdir -p $R/teacher
-         python bench/bench_teacher.py --length 4096 --examples 4 --threads 1 \
+         python bench/bench_teacher.py --length 4096 --examples 3 --threads 1 \
            --json $R/teacher/bench_4096.json ;;
       # the table: scores with n, paired gaps to the full cache and the best heuristic
       table) python experiments/summarize_paired.py $R/ruler/powered \

@@ -61,6 +61,20 @@ if triton is not None:
         return start
 
     @triton.jit
+    def _query_tile(H, nq, offset, group, keep_group, D: tl.constexpr, BLOCK_D: tl.constexpr,
+                    BLOCK_M: tl.constexpr):
+        """A query-tile program's indices: its tile, sample, query head, KV head, keep-flag
+        head, rows (and their positions) and head dimensions (with their bounds)."""
+        pid_m = tl.program_id(0)
+        bh = tl.program_id(1)
+        b = bh // H
+        h = bh % H
+        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        dims = tl.arange(0, BLOCK_D)
+        return (pid_m, b, h, h // group, h // keep_group, rows, offset + rows, dims, dims < D,
+                rows < nq)
+
+    @triton.jit
     def _forward(Q, K, V, KEEP, LO, HI, MASK, PROMPT, O, LSE,
                  s_q_b, s_q_h, s_q_m, s_k_b, s_k_h, s_k_n, s_v_b, s_v_h, s_v_n,
                  s_o_b, s_o_h, s_o_m, s_keep_b, s_keep_h, s_lse_b, s_lse_h,
@@ -69,17 +83,8 @@ if triton is not None:
                  D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
                  BLOCK_N: tl.constexpr, MASK_MODE: tl.constexpr, HAS_PROMPT: tl.constexpr,
                  PRECISION: tl.constexpr):
-        pid_m = tl.program_id(0)
-        bh = tl.program_id(1)
-        b = bh // H
-        h = bh % H
-        hk = h // group
-        hg = h // keep_group
-        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        pos = offset + rows
-        dims = tl.arange(0, BLOCK_D)
-        dim_ok = dims < D
-        row_ok = rows < nq
+        pid_m, b, h, hk, hg, rows, pos, dims, dim_ok, row_ok = _query_tile(
+            H, nq, offset, group, keep_group, D, BLOCK_D, BLOCK_M)
         q = _tile(Q, b, h, s_q_b, s_q_h, s_q_m, rows, row_ok, dims, dim_ok)
         # finite start: a tile with no visible key in some row must not give exp(-inf + inf)
         m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
@@ -186,17 +191,8 @@ if triton is not None:
                     D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
                     BLOCK_N: tl.constexpr, MASK_MODE: tl.constexpr, HAS_PROMPT: tl.constexpr,
                     PRECISION: tl.constexpr):
-        pid_m = tl.program_id(0)
-        bh = tl.program_id(1)
-        b = bh // H
-        h = bh % H
-        hk = h // group
-        hg = h // keep_group
-        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        pos = offset + rows
-        dims = tl.arange(0, BLOCK_D)
-        dim_ok = dims < D
-        row_ok = rows < nq
+        pid_m, b, h, hk, hg, rows, pos, dims, dim_ok, row_ok = _query_tile(
+            H, nq, offset, group, keep_group, D, BLOCK_D, BLOCK_M)
         q_mask = row_ok[:, None] & dim_ok[None, :]
         q = _tile(Q, b, h, s_q_b, s_q_h, s_q_m, rows, row_ok, dims, dim_ok)
         do = _tile(DO, b, h, s_do_b, s_do_h, s_do_m, rows, row_ok, dims, dim_ok)
