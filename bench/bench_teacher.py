@@ -3,7 +3,7 @@ often greedy-exact agrees with the generated answer's RULER score.
 
     python bench/bench_teacher.py --length 4096 --examples 6 \
         --tasks niah_single_1,niah_single_2,niah_multikey_1 --policies full,snapkv,tova \
-        --budget 0.5 --max-new-tokens 32 --threads 1 [--json out.json]
+        --budget 0.5 --max-new-tokens 32 --threads 1 [--dtype bfloat16] [--json out.json]
 
 Every example is asked as ``kvgate eval ruler`` asks it (question after compression, one
 shared prefill for all policies, ``kvgate.eval.asked.ask_shared``) twice, side by side: once
@@ -45,6 +45,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--budget", type=float, default=0.5)
     ap.add_argument("--max-new-tokens", type=int, default=32)
     ap.add_argument("--base", default="smollm2-135m")
+    ap.add_argument("--dtype", default="float32", help="the model's dtype (bfloat16: fast "
+                    "where the CPU has AMX; measure with bench/bench_dtype.py)")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: leave as is)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
@@ -57,7 +59,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    model, tok = kvgate.load_base(args.base)
+    model, tok = kvgate.load_base(args.base, dtype=args.dtype)
     variants = {}
     for name in args.policies:
         pol = get_policy(name)
@@ -91,7 +93,7 @@ def main(argv=None) -> int:
                                      "lead_in": lead, "answers": list(item.answers)})
             print(f"{item.uid}: generate {seconds['generate'] / n:.1f} s / example, teacher "
                   f"{seconds['teacher'] / n:.1f} s / example so far", flush=True)
-    out = {"length": args.length, "examples": n, "policies": args.policies,
+    out = {"length": args.length, "examples": n, "dtype": args.dtype, "policies": args.policies,
            "max_new_tokens": args.max_new_tokens, "threads": torch.get_num_threads(),
            "sec_generate": seconds["generate"] / n, "sec_teacher": seconds["teacher"] / n,
            "teacher_over_generate": seconds["teacher"] / seconds["generate"],

@@ -478,30 +478,50 @@ case "${1:-all}" in
     python experiments/summarize_mc.py $R/mc_headroom_a $R/mc_headroom_b \
       $R/mc_headroom_c $R/mc_headroom_r3 $R/mc_short_full --paired full --any-mode ;;
   powered)  # PART: docs/RESULTS.md section 3, RULER with the question asked after compression,
-    # 48 examples per (family, length), scored by teacher forcing (greedy-exact after the
-    # model's greedy lead-in), at 50% eviction. Each PART writes one folder of $R/ruler/.
-    pw=(--tasks niah_single_1,niah_single_2,niah_multikey_1 --lengths 1024,2048,4096
-        --limit 48 --score teacher --no-progress)
+    # scored by teacher forcing (greedy-exact after the model's greedy lead-in), bf16, at 50%
+    # eviction, examples per (family, length): 48 at 1k, 24 at 2k, 16 at 4k. Each PART writes
+    # folders of $R/ruler/ (4k apart, so that it can run beside the rest).
+    pw=(--tasks niah_single_1,niah_single_2 --score teacher --dtype bfloat16 --no-progress)
+    heur=(--policies full,streaming,h2o,tova,snapkv,knorm,adakv,tova_g=tova
+          --policy-opt tova_g.allocation=global --budgets 0.5 --paired full)
     case "$2" in
-      # the full cache and the heuristics, per head and TOVA ranked globally, from one shared
-      # prefill per example -> $R/ruler/powered
-      heuristics) kvgate eval ruler --model smollm2-135m "${pw[@]}" --budgets 0.5 \
-           --policies full,streaming,h2o,tova,snapkv,knorm,adakv,tova_g=tova \
-           --policy-opt tova_g.allocation=global --paired full --out $R/ruler/powered ;;
+      # the full cache and the heuristics (TOVA also ranked globally), one shared prefill per
+      # example -> $R/ruler/powered (1k, 2k) and $R/ruler/powered_4k
+      heuristics)
+         kvgate eval ruler --model smollm2-135m "${pw[@]}" "${heur[@]}" --lengths 1024 --limit 48 \
+           --out $R/ruler/powered
+         kvgate eval ruler --model smollm2-135m "${pw[@]}" "${heur[@]}" --lengths 2048 --limit 24 \
+           --out $R/ruler/powered
+         kvgate eval ruler --model smollm2-135m "${pw[@]}" "${heur[@]}" --lengths 4096 --limit 16 \
+           --out $R/ruler/powered_4k ;;
       # a trained gate at its keep threshold (trained first if missing) -> $R/ruler/powered_GATE
+      # (1k, 2k) and $R/ruler/powered_GATE_4k
       cpt_long|cpt_recipe)
          [ -f runs/$2/gated/kvgate_config.json ] || kvgate train --config $2 --ckpt_path last
-         kvgate eval ruler --checkpoint runs/$2/gated "${pw[@]}" --policies attention_gate \
-           --out $R/ruler/powered_$2 ;;
-      # teacher scoring against generation (32 tokens) on the same 4k examples: the cost ratio
-      # and the agreement, disagreeing answers listed -> $R/teacher/bench_4096.json
+         g=(--checkpoint runs/$2/gated "${pw[@]}" --policies attention_gate)
+         kvgate eval ruler "${g[@]}" --lengths 1024 --limit 48 --out $R/ruler/powered_$2
+         kvgate eval ruler "${g[@]}" --lengths 2048 --limit 24 --out $R/ruler/powered_$2
+         kvgate eval ruler "${g[@]}" --lengths 4096 --limit 16 --out $R/ruler/powered_${2}_4k ;;
+      # which families qualify: the full cache on the other families, 8 examples at 1k
+      # (niah_single_3 also at 2k / 4k) -> $R/ruler/screen
+      screen)
+         kvgate eval ruler --model smollm2-135m --lengths 1024 --limit 8 --policies full \
+           --tasks niah_single_3,niah_multikey_1,niah_multikey_2,niah_multivalue,niah_multiquery,vt,fwe,qa_1 \
+           --score teacher --dtype bfloat16 --no-progress --out $R/ruler/screen
+         kvgate eval ruler --model smollm2-135m --lengths 2048,4096 --limit 8 --policies full \
+           --tasks niah_single_3 --score teacher --dtype bfloat16 --no-progress --out $R/ruler/screen ;;
+      # teacher scoring against generation (32 tokens) on the same examples: the cost ratios
+      # and the agreement, disagreeing answers listed -> $R/teacher/bench_{1024,4096}.json
       agree) mkdir -p $R/teacher
-         python bench/bench_teacher.py --length 4096 --examples 3 --threads 1 \
-           --json $R/teacher/bench_4096.json ;;
+         for n in 1024 4096; do
+           python bench/bench_teacher.py --length $n --examples $([ $n = 1024 ] && echo 8 || echo 3) \
+             --threads 1 --dtype bfloat16 --json $R/teacher/bench_$n.json
+         done ;;
       # the table: scores with n, paired gaps to the full cache and the best heuristic
-      table) python experiments/summarize_paired.py $R/ruler/powered \
-           cpt_recipe=$R/ruler/powered_cpt_recipe cpt_long=$R/ruler/powered_cpt_long ;;
-      *) echo "powered: PART must be heuristics, cpt_long, cpt_recipe, agree or table" >&2
+      table) python experiments/summarize_paired.py $R/ruler/powered $R/ruler/powered_4k \
+           cpt_recipe=$R/ruler/powered_cpt_recipe cpt_recipe=$R/ruler/powered_cpt_recipe_4k \
+           cpt_long=$R/ruler/powered_cpt_long cpt_long=$R/ruler/powered_cpt_long_4k ;;
+      *) echo "powered: PART must be heuristics, cpt_long, cpt_recipe, screen, agree or table" >&2
          exit 2 ;;
     esac ;;
   ruler)  # PART: issue #34's long-context table (docs/RESULTS.md section 3), the question

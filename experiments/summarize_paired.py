@@ -41,7 +41,11 @@ def load(specs, budget):
     cells = {}
     for spec in specs:
         name, _, folder = spec.rpartition("=")
-        data = json.loads((Path(folder) / "results.json").read_text())["results"]
+        path = Path(folder) / "results.json"
+        if not path.exists():  # a length not run yet: its cells stay empty
+            print(f"(no {path}: skipped)", file=sys.stderr)
+            continue
+        data = json.loads(path.read_text())["results"]
         for key, r in data.items():
             _, task, policy, bud, mode = key.split("|")
             if bud not in (str(budget), "none") or mode != "agnostic":
