@@ -61,18 +61,14 @@ if triton is not None:
         return start
 
     @triton.jit
-    def _query_tile(H, nq, offset, group, keep_group, D: tl.constexpr, BLOCK_D: tl.constexpr,
-                    BLOCK_M: tl.constexpr):
-        """A query-tile program's indices: its tile, sample, query head, KV head, keep-flag
-        head, rows (and their positions) and head dimensions (with their bounds)."""
-        pid_m = tl.program_id(0)
+    def _program_tile(H, size, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK: tl.constexpr):
+        """A program's tile: its index, sample, head (of ``H``), the tile's query rows or key
+        columns (of ``size``) and the head dimensions, each with its bound."""
+        pid = tl.program_id(0)
         bh = tl.program_id(1)
-        b = bh // H
-        h = bh % H
-        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        idx = pid * BLOCK + tl.arange(0, BLOCK)
         dims = tl.arange(0, BLOCK_D)
-        return (pid_m, b, h, h // group, h // keep_group, rows, offset + rows, dims, dims < D,
-                rows < nq)
+        return pid, bh // H, bh % H, idx, idx < size, dims, dims < D
 
     @triton.jit
     def _forward(Q, K, V, KEEP, LO, HI, MASK, PROMPT, O, LSE,
@@ -83,8 +79,10 @@ if triton is not None:
                  D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
                  BLOCK_N: tl.constexpr, MASK_MODE: tl.constexpr, HAS_PROMPT: tl.constexpr,
                  PRECISION: tl.constexpr):
-        pid_m, b, h, hk, hg, rows, pos, dims, dim_ok, row_ok = _query_tile(
-            H, nq, offset, group, keep_group, D, BLOCK_D, BLOCK_M)
+        pid_m, b, h, rows, row_ok, dims, dim_ok = _program_tile(H, nq, D, BLOCK_D, BLOCK_M)
+        hk = h // group
+        hg = h // keep_group
+        pos = offset + rows
         q = _tile(Q, b, h, s_q_b, s_q_h, s_q_m, rows, row_ok, dims, dim_ok)
         # finite start: a tile with no visible key in some row must not give exp(-inf + inf)
         m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
@@ -127,14 +125,7 @@ if triton is not None:
                      D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
                      BLOCK_N: tl.constexpr, MASK_MODE: tl.constexpr, HAS_PROMPT: tl.constexpr,
                      KEEP_PER_QUERY_HEAD: tl.constexpr, PRECISION: tl.constexpr):
-        pid_n = tl.program_id(0)
-        bh = tl.program_id(1)
-        b = bh // Hk
-        hk = bh % Hk
-        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        dims = tl.arange(0, BLOCK_D)
-        dim_ok = dims < D
-        col_ok = cols < n
+        pid_n, b, hk, cols, col_ok, dims, dim_ok = _program_tile(Hk, n, D, BLOCK_D, BLOCK_N)
         kv_mask = col_ok[:, None] & dim_ok[None, :]
         k = _tile(K, b, hk, s_k_b, s_k_h, s_k_n, cols, col_ok, dims, dim_ok)
         v = _tile(V, b, hk, s_v_b, s_v_h, s_v_n, cols, col_ok, dims, dim_ok)
@@ -191,8 +182,10 @@ if triton is not None:
                     D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
                     BLOCK_N: tl.constexpr, MASK_MODE: tl.constexpr, HAS_PROMPT: tl.constexpr,
                     PRECISION: tl.constexpr):
-        pid_m, b, h, hk, hg, rows, pos, dims, dim_ok, row_ok = _query_tile(
-            H, nq, offset, group, keep_group, D, BLOCK_D, BLOCK_M)
+        pid_m, b, h, rows, row_ok, dims, dim_ok = _program_tile(H, nq, D, BLOCK_D, BLOCK_M)
+        hk = h // group
+        hg = h // keep_group
+        pos = offset + rows
         q_mask = row_ok[:, None] & dim_ok[None, :]
         q = _tile(Q, b, h, s_q_b, s_q_h, s_q_m, rows, row_ok, dims, dim_ok)
         do = _tile(DO, b, h, s_do_b, s_do_h, s_do_m, rows, row_ok, dims, dim_ok)
