@@ -13,14 +13,14 @@ formatting (:func:`formatting_lead_in`: white space, ``:``, ``-``, ``*``, ``#``,
 quotes, then at most one list marker such as ``1.``), and feeds the gold answer after that
 lead-in (re-tokenised as it would follow it). Where answers are also generated, the lead-in is
 read from the generation instead (no extra step; the same tokens unless a policy evicted
-during them). A record keeps the
-lead-in's tokens and the answer's, so the score is reproducible.
+during them). A record keeps the lead-in's tokens and the answer's, so the score is
+reproducible.
 
 One forward per gold answer (plus the few lead-in steps) instead of a decode step per generated
 token. The lead-in's and answer's tokens add to the cache and evict nothing (as the question
-does; several policies' caches then answer as one batch), so for a
-policy that evicts while decoding (H2O, TOVA, ...) greedy-exact can differ from what its
-decoding would give on long answers.
+does; several policies' caches then answer as one batch), so for a policy that evicts while
+decoding (H2O, TOVA, ...) greedy-exact can differ from what its decoding would give on long
+answers.
 """
 
 from __future__ import annotations
@@ -175,24 +175,14 @@ def _greedy_lead(engine, compressed, lead: list[int], first: Tensor | None) -> l
     """Greedy tokens after the question (``lead``; or after ``first``'s logits), over a fork
     that evicts nothing (as the answer is fed), until each row's lead-in is decided."""
     from kvgate.cache.fork import fork_cache, grow_capacity
-    from kvgate.inference.decode import decode
-    from kvgate.models.load import pad_id
+    from kvgate.inference.compress import answer_rows, decode_after
 
-    model, tok = engine.model, engine.tokenizer
-    rows = compressed.batch
-    cache = fork_cache(compressed.cache)
-    grow_capacity(cache, torch.full((rows,), len(lead) + LEAD_TOKENS))
-    mask = compressed.attention_mask
-    start = mask.sum(-1, keepdim=True)
+    rows, rule = compressed.batch, lead_in_rule(engine.tokenizer)
     if lead:
-        ids = torch.tensor([lead] * rows, device=mask.device)
-        mask = torch.cat([mask, torch.ones_like(ids)], dim=1)
-        out = model(input_ids=ids, attention_mask=mask,
-                    position_ids=start + torch.arange(len(lead), device=mask.device),
-                    past_key_values=cache, use_cache=True, logits_to_keep=1)
-    else:
-        out = _Logits(first[:, None])
-    tokens, _ = decode(model, out, mask, start + len(lead), cache, LEAD_TOKENS,
-                       getattr(tok, "eos_token_id", None), pad_id(tok),
-                       until=lead_in_rule(tok))
-    return tokens
+        return answer_rows(engine, compressed, [lead] * rows, LEAD_TOKENS, rule,
+                           room=LEAD_TOKENS)
+    cache = fork_cache(compressed.cache)
+    grow_capacity(cache, torch.full((rows,), LEAD_TOKENS))
+    mask = compressed.attention_mask
+    return decode_after(engine, _Logits(first[:, None]), mask, mask.sum(-1, keepdim=True),
+                        cache, LEAD_TOKENS, rule)

@@ -301,10 +301,11 @@ def _answer_round(engine: Any, compressed: CompressedContext, questions: list[st
 @torch.no_grad()
 def answer_rows(engine: Any, compressed: CompressedContext, rows: list[list[int]],
                 max_new_tokens: int, until: Callable[[Tensor], Tensor] | None = None,
-                ) -> list[list[int]]:
+                room: int = 0) -> list[list[int]]:
     """Question token ``rows`` (one per context, non-empty) fed over a fork of the cache,
     then greedy decoding: the token ids per context, up to and with EOS (or until ``until``
-    says a row is done: ``kvgate.inference.decode.decode``)."""
+    says a row is done: ``kvgate.inference.decode.decode``). ``room``: decoded tokens that
+    add to the cache before a decode-evicting policy evicts (teacher scoring's lead-in)."""
     device = engine.device
     q_ids, q_mask = left_pad(rows, pad_id(engine.tokenizer))
     q_ids, q_mask = q_ids.to(device), q_mask.to(device)
@@ -312,7 +313,7 @@ def answer_rows(engine: Any, compressed: CompressedContext, rows: list[list[int]
     positions = (start[:, None] + q_mask.cumsum(-1) - 1).clamp(min=0)
     mask = torch.cat([compressed.attention_mask, q_mask], dim=1)
     cache = fork_cache(compressed.cache)
-    grow_capacity(cache, q_mask.sum(-1))  # the question adds to the context; evicts nothing
+    grow_capacity(cache, q_mask.sum(-1) + room)  # the question adds to the context
     out = engine.model(input_ids=q_ids, attention_mask=mask, position_ids=positions,
                        past_key_values=cache, use_cache=True, logits_to_keep=1)
     return decode_after(engine, out, mask, positions[:, -1:] + 1, cache, max_new_tokens, until)

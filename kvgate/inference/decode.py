@@ -29,8 +29,8 @@ def decode(model: nn.Module, out: Any, mask: Tensor, next_pos: Tensor, cache: An
     over the cache frozen after the prefill (``kvgate.inference.graphed``: one CUDA graph
     replayed per step on CUDA, the same step eagerly elsewhere; policies that evict while
     decoding are refused), then append what they decoded to ``cache``, so that it holds what
-    eager decode leaves. ``until``: the tokens so far [B, t] -> [B] rows that are done (a stop
-rule besides ``eos``). Returns (tokens per row, forwards run)."""
+    eager decode leaves. ``until``: the tokens so far [B, t] -> [B] rows that are done (a
+    stop rule besides ``eos``). Returns (tokens per row, forwards run)."""
     pick = pick or (lambda logits: logits.argmax(-1))
     batch = mask.shape[0]
     done = torch.zeros(batch, dtype=torch.bool, device=mask.device)
