@@ -1,10 +1,11 @@
-"""Where processed data is cached, and an atomic JSON write so a killed run leaves no half file."""
+"""Where processed data is cached, and atomic writes so a killed run leaves no half file."""
 
 from __future__ import annotations
 
 import json
 import os
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -27,18 +28,19 @@ def read_json(path: Path) -> Any | None:
         return None
 
 
-def write_json_atomic(path: Path, value: Any) -> None:
-    """Write to a temporary file in the same folder, then rename over ``path``.
+def write_atomic(path: Path, write: Callable[[str], None]) -> None:
+    """``write(tmp)`` fills a temporary file in the same folder, which is flushed to disk and
+    renamed over ``path``.
 
     The rename is atomic on POSIX, so concurrent readers see either the old file or the whole new
-    one, never a prefix.
+    one, never a prefix; a failure or a kill leaves no ``path`` half written.
     """
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(fd)
     try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump(value, f, ensure_ascii=False)
-            f.flush()
+        write(tmp)
+        with open(tmp, "rb") as f:
             os.fsync(f.fileno())
         umask = os.umask(0)
         os.umask(umask)
@@ -47,3 +49,12 @@ def write_json_atomic(path: Path, value: Any) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def write_json_atomic(path: Path, value: Any) -> None:
+    """``value`` as JSON at ``path``, written atomically (:func:`write_atomic`)."""
+    def dump(tmp: str) -> None:
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump(value, f, ensure_ascii=False)
+
+    write_atomic(path, dump)

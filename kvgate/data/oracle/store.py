@@ -14,14 +14,13 @@ Only safetensors and JSON: nothing is unpickled.
 from __future__ import annotations
 
 import os
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from kvgate.data.cache import read_json, write_json_atomic
+from kvgate.data.cache import read_json, write_atomic, write_json_atomic
 from kvgate.data.oracle.settings import OracleError, OracleLabels
 
 FORMAT = "kvgate-oracle-labels"
@@ -90,16 +89,8 @@ class LabelStore:
                               f", not {start}")
         index = len(meta["shards"])
         name = shard_name(index)
-        fd, tmp = tempfile.mkstemp(prefix=f".{name}.", suffix=".tmp", dir=self.path)
-        os.close(fd)
-        try:
-            save_file({KEY: log_scores.to(torch.float16).contiguous()}, tmp)
-            with open(tmp, "rb") as f:
-                os.fsync(f.fileno())
-            os.replace(tmp, self.path / name)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+        labels = log_scores.to(torch.float16).contiguous()
+        write_atomic(self.path / name, lambda tmp: save_file({KEY: labels}, tmp))
         stop = start + int(log_scores.shape[0])
         meta["shards"].append({"file": name, "start": start, "stop": stop})
         meta["done"] = stop
