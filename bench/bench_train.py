@@ -18,7 +18,9 @@ block as the materialised regime does, while ``kvgate`` encodes the prompt once 
 (``kvgate.gate.prefix``: same loss and gradients), so the two speed-ups are told apart.
 ``--flex`` adds ``flex``: kvgate with the block-sparse FlexAttention kernel (``GateConfig.kernel``
 "flex"; trains on CUDA only); ``--triton`` adds ``triton``: kvgate on its FlashAttention-2-style
-Triton kernel (``GateConfig.kernel`` "triton"; CUDA). ``--bound`` adds ``attention_free``: the same step with the gated attention replaced by an
+Triton kernel (``GateConfig.kernel`` "triton"; CUDA), and names the chunked one too (on CUDA
+"auto" picks triton for a bf16 base). ``--profile`` ends with one profiled step per regime.
+``--bound`` adds ``attention_free``: the same step with the gated attention replaced by an
 elementwise stand-in that costs next to nothing (q, k, v and the gate stay in the graph, so the
 rest of the backward is unchanged). materialised / attention_free is the ceiling of what any
 gated-attention kernel can gain on that step (Amdahl): where it is below 2, no kernel reaches 2x.
@@ -81,7 +83,8 @@ def on_kernel(name: str):
 
 
 IMPLEMENTATIONS = {"materialised": materialised, "attention_free": attention_free,
-                   "flex": on_kernel("flex"), "triton": on_kernel("triton")}
+                   "flex": on_kernel("flex"), "triton": on_kernel("triton"),
+                   "chunked": on_kernel("chunked")}
 
 
 @contextmanager
@@ -164,13 +167,14 @@ def measure(args, regimes: dict, impl: dict, split: dict, seq_len: int) -> None:
                 if not isinstance(exc, torch.OutOfMemoryError) and impl[name] not in (
                         "flex", "triton"):
                     raise
-                opt.zero_grad(set_to_none=True)
                 failed[name] = ("out of memory" if isinstance(exc, torch.OutOfMemoryError)
                                 else f"failed: {type(exc).__name__}: {str(exc).splitlines()[0]}")
-                del exc
-                # the failed step's partial graph sits in reference cycles through the
-                # exception's frames: freed only by the collector, or the next regime's peak
-                # memory counts it (an H100's 8k triton peak read 2.65x the chunked kernel's)
+            if name in failed:
+                # outside the except block: while it runs, the exception (and through its
+                # frames the failed step's partial graph) is still alive, so the collector
+                # could free nothing and the next regime's peak memory counted it (an H200's
+                # 8k triton peak read 107 GiB after the materialised regime's OOM)
+                opt.zero_grad(set_to_none=True)
                 gc.collect()
                 if cuda:
                     torch.cuda.empty_cache()
@@ -202,14 +206,15 @@ def measure(args, regimes: dict, impl: dict, split: dict, seq_len: int) -> None:
     if args.pair == "lora":
         lines = [ratio("lora", "gates_lora", "slowdown gates+LoRA vs LoRA-only (target <= 1.35x)"),
                  ratio("lora", "gates_lora_flex", "  same on the flex kernel"),
-                 ratio("lora", "gates_lora_triton", "  same on the triton kernel")]
+                 ratio("lora", "gates_lora_triton", "slowdown on the triton kernel (target <= 1.35x)"),
+                 ratio("lora", "gates_lora_chunked", "slowdown on the chunked kernel")]
     else:
         lines = [ratio("kvgate", "materialised",
                        "speed-up kvgate vs materialised gated attention (target >= 2x)"),
                  ratio("flex", "materialised", "  flex kernel vs materialised"),
                  ratio("flex", "kvgate", "  flex kernel vs kvgate (chunked)"),
                  ratio("triton", "materialised", "  triton kernel vs materialised (target >= 1.5x)"),
-                 ratio("triton", "kvgate", "  triton kernel vs kvgate (chunked)")]
+                 ratio("triton", "chunked", "  triton kernel vs the chunked kernel")]
         if "attention_free" in tps and "materialised" in tps and "kvgate" in tps:
             gain = tps["attention_free"] / tps["materialised"]
             lines.append(f"  ceiling, materialised vs attention_free (attention at no cost): "
@@ -222,7 +227,38 @@ def measure(args, regimes: dict, impl: dict, split: dict, seq_len: int) -> None:
             print(line)
 
 
+def profile(args, regimes: dict, impl: dict, split: dict, seq_len: int) -> None:
+    """One step of each regime under torch.profiler: where a regime's time goes (e.g. gates +
+    LoRA against LoRA only), by self time on the device (CUDA) or the CPU."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    data = CPTDataModule(source="files" if args.files else "embedded", files=args.files,
+                         max_docs=200, seq_len=seq_len, batch_size=args.batch,
+                         val_fraction=0.0, continuation=args.continuation)
+    data.tokenizer = next(iter(regimes.values()))[0].tokenizer
+    blocks = data.train_dataset()
+    batch = {k: v.to(args.device) for k, v in
+             data.collate_train(pad_id=0)(blocks[:args.batch]).items()}
+    cuda = args.device.startswith("cuda")
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    key = "self_cuda_time_total" if cuda else "self_cpu_time_total"
+    for name, (module, opt) in regimes.items():
+        module.split_prompt = split.get(name, True)
+        try:
+            with attention_impl(impl[name]):
+                step(module, opt, batch)  # warm
+                with torch_profile(activities=activities) as prof:
+                    step(module, opt, batch)
+        except torch.OutOfMemoryError:
+            print(f"profile {name}: out of memory")
+            continue
+        print(f"profile {name} ({args.batch} x {seq_len}), by {key}:")
+        print(prof.key_averages().table(sort_by=key, row_limit=14))
+
+
 def main() -> int:
+
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--base", default="smollm2-135m")
@@ -250,6 +286,9 @@ def main() -> int:
                         help="also time the gated regime on its FlexAttention kernel")
     parser.add_argument("--triton", action="store_true",
                         help="also time the gated regime on its Triton kernel (CUDA)")
+    parser.add_argument("--profile", action="store_true",
+                        help="after the timings, one profiled step of each regime at the last "
+                             "--seq-len: the operators that take the most time")
     parser.add_argument("--bound", action="store_true",
                         help="--pair materialised: also time the step with attention at ~no cost")
     args = parser.parse_args()
@@ -274,16 +313,19 @@ def main() -> int:
         impl = {"gates_lora": "kvgate", "lora": "kvgate"}
         if args.flex:  # the same gated module on the other kernel
             regimes["gates_lora_flex"], impl["gates_lora_flex"] = regimes["gates_lora"], "flex"
-        if args.triton:
-            regimes["gates_lora_triton"] = regimes["gates_lora"]
-            impl["gates_lora_triton"] = "triton"
+        if args.triton:  # each kernel named: on CUDA "auto" (gates_lora) is triton already
+            for kernel in ("triton", "chunked"):
+                regimes[f"gates_lora_{kernel}"] = regimes["gates_lora"]
+                impl[f"gates_lora_{kernel}"] = kernel
+            del regimes["gates_lora"], impl["gates_lora"]
     else:
         module, opt = make("gates")
         # one module, several routes: identical weights, so only the computation differs
         names = ["kvgate", "kvgate_whole", "materialised"] if args.prefill == "full" else [
             "kvgate", "materialised"]
         names += ["flex"] if args.flex else []
-        names += ["triton"] if args.triton else []
+        if args.triton:  # each kernel named: on CUDA "auto" (kvgate) is triton for a bf16 base
+            names = [x for x in names if x != "kvgate"] + ["chunked", "triton"]
         names += ["attention_free"] if args.bound else []
         regimes = {name: (module, opt) for name in names}
         impl = {name: name if name in IMPLEMENTATIONS else "kvgate" for name in names}
@@ -291,6 +333,8 @@ def main() -> int:
         split = {"kvgate_whole": False, "materialised": False, "attention_free": False}
     for seq_len in args.seq_len:
         measure(args, regimes, impl, split, seq_len)
+    if args.profile:
+        profile(args, regimes, impl, split, args.seq_len[-1])
     return 0
 
 

@@ -15,7 +15,8 @@
 # batch 1 / 8 / 32, SnapKV, Ada-KV and a ranked gate at 50%, on both shapes, eager and each
 # replaying one CUDA graph per step, the dense one on transformers' StaticCache), triton (the
 # Triton kernel's CUDA tests, then the kernel alone against the materialised one and SDPA flash,
-# and training steps at 1k-8k against the chunked and materialised kernels and LoRA-only). Each
+# training steps at 1k-8k against the chunked and materialised kernels and LoRA-only, and a
+# profiled gates + LoRA step). Each
 # step of the flex, flextests, decode and triton parts runs under a time limit, so one slow step
 # cannot eat a lease; with DEADLINE=S set, a step that would start after S seconds is skipped.
 #
@@ -176,6 +177,10 @@ want triton && {
   step "bench_train triton SmolLM2 shape" timeout 80 $py bench/bench_train.py --pair materialised \
     --device cuda --base "$base" --dtype bfloat16 --files "$docs" --batch 1 --steps 4 --triton \
     --seq-len 1024 4096
+  # where gates + LoRA spend the time LoRA alone does not: one profiled step of each
+  step "bench_train lora profile 7B shape" timeout 120 $py bench/bench_train.py --pair lora \
+    --device cuda --base "$big" --dtype bfloat16 --files "$docs" --batch 1 --steps 2 --triton \
+    --seq-len 4096 --profile
 } 2>&1 | grep --line-buffered -v "it/s\]" | tee "$out/bench_triton.log"
 
 if want flextests; then

@@ -41,16 +41,20 @@ EXP_CLAMP = 10.0
 EVICTED = -1e30
 
 
-def choose_kernel(name: str, device: torch.device) -> str:
-    """The kernel a gate config's ``kernel`` names on ``device``. "auto" is the Triton kernel
-    on CUDA where triton is installed (it ships with CUDA builds of torch): on an H100 a
-    gates-only training step on the Llama-2-7B layer shape ran 2.2x / 3.9x the materialised
-    kernel's speed at 2,048 / 4,096 tokens and 2.0-5.0x the chunked kernel's from 2,048 to
-    8,192 (docs/RESULTS.md, speed and memory). Everywhere else the chunked kernel. The flex
-    kernel is never picked: on an H200 it ran 3.7-14x slower than the chunked one."""
+def choose_kernel(name: str, device: torch.device, dtype: torch.dtype) -> str:
+    """The kernel a gate config's ``kernel`` names for inputs of ``dtype`` on ``device``.
+
+    "auto" is the Triton kernel for bf16 / fp16 inputs on CUDA where triton is installed (it
+    ships with CUDA builds of torch): its tiles run on tensor cores, and on an H100 a gates-only
+    training step on the Llama-2-7B layer shape ran 2.2x / 3.9x the materialised kernel's speed
+    at 2,048 / 4,096 tokens (docs/RESULTS.md, speed and memory). fp32 inputs get the chunked
+    kernel: the Triton tiles multiply fp32 exactly (no tensor cores), which on an H200 ran 21x
+    slower than the materialised kernel's cuBLAS at 4,096 tokens. Everywhere else the chunked
+    kernel. The flex kernel is never picked: on an H200 it ran 3.7-14x slower than chunked."""
     if name != "auto":
         return name
-    if device.type == "cuda" and importlib.util.find_spec("triton") is not None:
+    if (device.type == "cuda" and dtype in (torch.bfloat16, torch.float16)
+            and importlib.util.find_spec("triton") is not None):
         return "triton"
     return "chunked"
 
@@ -249,7 +253,7 @@ def gated_attention(q: Tensor, k: Tensor, v: Tensor, gate: Tensor, allowed: Tens
         allowed = allowed[..., -nq:, -n:].expand(b, 1, nq, n)
     if prompt is not None and tuple(prompt.shape) != (b, n):
         raise ValueError(f"prompt shape {tuple(prompt.shape)} must be [B, n] = [{b}, {n}]")
-    chosen = choose_kernel(kernel, q.device)
+    chosen = choose_kernel(kernel, q.device, q.dtype)
     if chosen == "flex":
         from kvgate.attention.flex import flex_gated_attention
 

@@ -57,7 +57,8 @@ class GateConfig:
     prefill: GatePrefill = "gated"
     # gated attention's kernel (kvgate.attention): "chunked" runs anywhere; "triton" is
     # FlashAttention-2-style Triton kernels (CUDA); "flex" is block-sparse FlexAttention, trains
-    # on CUDA only; "auto" picks per device (triton on CUDA, chunked elsewhere: choose_kernel)
+    # on CUDA only; "auto" picks per device and dtype (triton for bf16 / fp16 on CUDA, chunked
+    # elsewhere: choose_kernel)
     kernel: GateKernel = "auto"
 
     def __post_init__(self) -> None:

@@ -104,18 +104,23 @@ def test_unknown_kernel_is_refused_by_name():
         GateConfig(kernel="cutlass")
 
 
-def test_auto_picks_the_chunked_kernel_on_the_cpu_and_triton_on_cuda(monkeypatch):
+def test_auto_picks_the_chunked_kernel_on_the_cpu_and_fp32_and_triton_for_half_on_cuda(monkeypatch):
     import importlib.util
 
-    assert choose_kernel("auto", torch.device("cpu")) == "chunked"
-    assert choose_kernel("flex", torch.device("cpu")) == "flex"
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert choose_kernel("auto", cpu, torch.bfloat16) == "chunked"
+    assert choose_kernel("flex", cpu, torch.float32) == "flex"
     found = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec",
                         lambda name, *a: object() if name == "triton" else found(name, *a))
-    assert choose_kernel("auto", torch.device("cuda")) == "triton"
+    assert choose_kernel("auto", cuda, torch.bfloat16) == "triton"
+    assert choose_kernel("auto", cuda, torch.float16) == "triton"
+    # fp32 tiles multiply exactly, off the tensor cores: slower than the chunked kernel
+    assert choose_kernel("auto", cuda, torch.float32) == "chunked"
+    assert choose_kernel("triton", cuda, torch.float32) == "triton"
     monkeypatch.setattr(importlib.util, "find_spec",
                         lambda name, *a: None if name == "triton" else found(name, *a))
-    assert choose_kernel("auto", torch.device("cuda")) == "chunked"
+    assert choose_kernel("auto", cuda, torch.bfloat16) == "chunked"
 
 
 @pytest.mark.parametrize("make", [tiny_llama_config, tiny_mistral_config])
