@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -51,12 +52,15 @@ def gate_attention_mask(gate_mod: nn.Module, valid: Tensor, prompt: Tensor | Non
 
 def compute_gate(module: nn.Module, hidden: Tensor, position_embeddings, valid: Tensor,
                  prompt: Tensor | None = None, tau: float | None = None,
-                 previous_hidden: Tensor | None = None, own_scores: bool = False) -> GateRecord:
+                 previous_hidden: Tensor | None = None, own_scores: bool = False,
+                 graph: bool = False) -> GateRecord:
     """Straight-through keep flags of one layer: [B, H_gate, n], with sinks, padding and
     (in prompt_bidirectional mode or with a full prefill) non-prompt tokens forced to 1.
     ``tau`` overrides the gate's keep threshold. ``previous_hidden`` [B, n' >= n, D] is the
     previous layer's input, which a ``previous_layer`` gate reads. ``own_scores``: the record
-    also keeps the raw scores, with a gradient that reaches this gate alone."""
+    also keeps the raw scores, with a gradient that reaches this gate alone. ``graph``: the
+    gate's computation records autograd even under ``torch.no_grad()`` (a forward whose
+    only losses read the gates: ``kvgate.gate.patch.gate_graph_only``)."""
     from kvgate.gate.base import straight_through  # the gates import this module
 
     gate_mod = module.kv_gate
@@ -67,10 +71,11 @@ def compute_gate(module: nn.Module, hidden: Tensor, position_embeddings, valid: 
     hidden = gate_input(module, hidden, previous_hidden)
     attend = gate_attention_mask(gate_mod, valid, prompt)
     cfg = gate_mod.config
-    scores = gate_mod.scores(hidden, position_embeddings, attend)
-    gate = straight_through(scores, cfg.gamma, cfg.tau if tau is None else tau)
     forced = forced_tokens(cfg, valid, counted, prompt)
-    gate = torch.where(forced[:, None, :], torch.ones_like(gate), gate)
+    with torch.enable_grad() if graph else nullcontext():
+        scores = gate_mod.scores(hidden, position_embeddings, attend)
+        gate = straight_through(scores, cfg.gamma, cfg.tau if tau is None else tau)
+        gate = torch.where(forced[:, None, :], torch.ones_like(gate), gate)
     record = GateRecord(gate, counted, forced)
     if own_scores:
         # a target for the gate's score (oracle labels) must not move what feeds the gate
@@ -158,7 +163,7 @@ def gated_layer_attention(module: nn.Module, query: Tensor, key: Tensor, value: 
     record = compute_gate(module, call.hidden, call.position_embeddings, valid,
                           router.prompt_mask,
                           previous_hidden=context.call(module.layer_idx - 1).hidden,
-                          own_scores=router.gate_scores)
+                          own_scores=router.gate_scores, graph=router.gate_graph)
     router.records[module.layer_idx] = record
     allowed = None if attention_mask is None else attention_mask
     prompt = None

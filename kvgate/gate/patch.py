@@ -10,7 +10,7 @@ also when the model is wrapped by peft.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 
 import torch
 from torch import Tensor, nn
@@ -125,6 +125,23 @@ def recorded_scores(model: nn.Module, on: bool = True) -> Iterator[None]:
         yield
     finally:
         router.gate_scores = before
+
+
+@contextmanager
+def gate_graph_only(model: nn.Module, on: bool = True) -> Iterator[None]:
+    """While inside (and ``on``), forwards run without autograd except in the gates, whose
+    records (keep flags, raw scores) keep a graph to their own parameters: the step of a
+    recipe whose losses all read the gates (the oracle loss and the eviction loss, as KVzap
+    trains its per-layer scorers, arXiv:2601.07891) then costs a forward, not a backward
+    through the model. The gates still decide what the forward's attention sees. Wrap the
+    forward only: the losses computed from the records need autograd back."""
+    router = dispatch.install(model)
+    before, router.gate_graph = router.gate_graph, bool(on)
+    try:
+        with torch.no_grad() if on else nullcontext():
+            yield
+    finally:
+        router.gate_graph = before
 
 
 def set_gates_trainable(model: nn.Module, trainable: bool = True) -> list[nn.Parameter]:

@@ -101,7 +101,8 @@ def prefix_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tenso
         on_prompt = prompt[:, :p]
         record = compute_gate(module, slot.hidden, slot.position_embeddings, on_prompt,
                               on_prompt, previous_hidden=None if previous is None else previous.hidden,
-                              own_scores=context.router.gate_scores)
+                              own_scores=context.router.gate_scores,
+                              graph=context.router.gate_graph)
         context.router.records[module.layer_idx] = record
         flags = torch.cat([record.gate, record.gate.new_ones(b, record.gate.shape[1], c)], -1)
     else:  # gates open (the distillation teacher): every prompt entry visible

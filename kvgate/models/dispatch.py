@@ -101,6 +101,9 @@ class Router:
     prefix: dict[int, Any] | None = None  # one-shot training's stored prompt, per layer
     records: dict[int, Any] = field(default_factory=dict)  # the last forward's gate decisions
     gate_scores: bool = False  # records also keep each gate's raw scores (the oracle objective)
+    # the gates build their autograd graph even inside torch.no_grad() (a step whose only
+    # losses read the gates: kvgate.gate.patch.gate_graph_only)
+    gate_graph: bool = False
 
 
 def attention_modules(model: nn.Module) -> list[nn.Module]:

@@ -5,7 +5,9 @@ tokens only for SFT) + ``recipe.distill_weight`` x the KL to the gates-open teac
 eviction loss ``alpha * |mean(gate) - beta|``, with beta annealed by the recipe, + with oracle
 labels ``recipe.oracle_weight`` x the oracle loss (``kvgate.recipes.oracle``: the gates' scores
 against the base's KVzip scores, a gradient for the gates alone). Before that, a recipe may warm
-the gates up on a heuristic's keep masks (``warmstart_objective``).
+the gates up on a heuristic's keep masks (``warmstart_objective``). With neither the LM loss nor
+the distillation on, a gates-only step runs its forward without autograd outside the gates
+(``gates_only_step``).
 
 A one-shot gate trained alone on a batch of one shared prompt length runs in two passes
 (``kvgate.gate.prefix``): the prompt encoded once without autograd, then the continuation;
@@ -18,7 +20,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from kvgate.gate import clear_records, eviction_loss, gate_records, recorded_scores
+from kvgate.gate import (
+    clear_records,
+    eviction_loss,
+    gate_graph_only,
+    gate_records,
+    recorded_scores,
+)
 from kvgate.gate.prefix import continuation_positions, encoded_prompt, split_point
 from kvgate.policies import Budget, get_policy
 from kvgate.recipes import (
@@ -120,15 +128,27 @@ class TrainingObjective:
         ``oracle`` and ``oracle_agreement``."""
         oracle = self.gated and bool(self.recipe_cfg.oracle_weight)
         with recorded_scores(self.model, on=oracle):
-            return self._objective(batch, oracle)
+            return self._objective(batch, oracle, self.gates_only_step())
 
-    def _objective(self, batch: dict[str, Tensor], oracle: bool) -> tuple[Tensor, dict[str, Tensor]]:
+    def gates_only_step(self) -> bool:
+        """Whether every loss of a training step reads only the gates: gates alone train and
+        neither the LM loss nor the distillation is on (the oracle and eviction losses, KVzap's
+        recipe). Then the forward runs without autograd outside the gates (the LM loss is
+        still logged) and the backward stays inside them."""
+        r = self.recipe_cfg
+        return (self.gated and self.train_mode == "gates" and torch.is_grad_enabled()
+                and not r.lm_weight and not r.distill_weight)
+
+    def _objective(self, batch: dict[str, Tensor], oracle: bool,
+                   gates_only: bool) -> tuple[Tensor, dict[str, Tensor]]:
         r = self.recipe_cfg
         split = self.prompt_split(batch)
         # the KL covers the labelled positions, or every choice's answer where the batch says so
         kd_mask = batch.get("distill_mask", batch["labels"] != -100)
         if split is None:
-            logits = self(batch["input_ids"], batch["attention_mask"], batch.get("prompt_mask"))
+            with gate_graph_only(self.model, on=gates_only):
+                logits = self(batch["input_ids"], batch["attention_mask"],
+                              batch.get("prompt_mask"))
             labels = batch["labels"]
             teacher = None
             if self.gated and r.distill_weight:
@@ -136,7 +156,8 @@ class TrainingObjective:
                                          input_ids=batch["input_ids"],
                                          attention_mask=batch["attention_mask"], use_cache=False)
         else:
-            logits, teacher, labels = self._two_pass_logits(batch, split)
+            with gate_graph_only(self.model, on=gates_only):
+                logits, teacher, labels = self._two_pass_logits(batch, split)
             kd_mask = kd_mask[:, split - 1:]
         lm, _ = causal_lm_loss(logits, labels)
         terms = {"lm": lm}

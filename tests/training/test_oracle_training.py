@@ -169,3 +169,53 @@ def test_bad_oracle_values_in_the_recipe_are_one_line_before_loading(override, k
     assert train.main(["--config", "cpt_oracle", *override]) == 2
     err = capsys.readouterr().err
     assert key in err and len(err.strip().splitlines()) == 1
+
+
+def _gates_only_step(module, batch, graph: bool):
+    """One objective + backward of ``module`` on ``batch``, the gates-only path on or off;
+    returns the loss, the gates' gradients and whether a base MLP ran with autograd."""
+    grad_seen = []
+    mlp = module.model.model.layers[0].mlp
+    handle = mlp.register_forward_hook(lambda *_: grad_seen.append(torch.is_grad_enabled()))
+    module.gates_only_step = lambda: graph  # the switch alone, everything else the same
+    try:
+        loss, _ = module.objective(batch)
+    finally:
+        handle.remove()
+        del module.gates_only_step
+    params = [p for n, p in module.model.named_parameters() if "kv_gate" in n]
+    grads = torch.autograd.grad(loss, params)
+    return loss.detach(), grads, grad_seen[0]
+
+
+@pytest.mark.parametrize("kind", ["attention", "mlp"])
+def test_a_gates_only_step_runs_the_model_without_autograd_and_trains_the_gates(
+        base_dir, tmp_path, kind):
+    """lm_weight 0 and no distillation (KVzap's recipe): the step's forward runs without
+    autograd outside the gates; its loss equals the full-graph step's, and with the eviction
+    loss off (alpha 0) so do the gates' gradients (the oracle loss reads each gate's own
+    inputs either way)."""
+    data = oracle_data(tmp_path / "labels")
+    label_data(build(tiny_llama_config()), char_tokenizer(), data, base_dir, lambda line: None)
+    module = KVGateModule(base_model=base_dir, train="gates", image_every_n_steps=0,
+                          gate={"kind": kind, "gamma": 0.0, "beta": 0.4, "alpha": 0.0,
+                                "sinks": 2},
+                          recipe={"lm_weight": 0.0, "oracle_weight": 1.0})
+    module.configure_model()
+    assert module.gates_only_step()  # what this recipe selects
+    data.oracle_base = module.oracle_fingerprint  # what the Trainer's fit hands the data
+    data.setup("fit")
+    batch = next(iter(data.train_dataloader()))
+    full_loss, full_grads, full_autograd = _gates_only_step(module, batch, graph=False)
+    loss, grads, autograd = _gates_only_step(module, batch, graph=True)
+    assert full_autograd and not autograd
+    torch.testing.assert_close(loss, full_loss)
+    assert any(g.abs().sum() > 0 for g in grads)
+    for got, want in zip(grads, full_grads):
+        torch.testing.assert_close(got, want)
+    # with the LM loss or the distillation on, the step keeps the full graph
+    for recipe in ({"lm_weight": 1.0, "oracle_weight": 1.0},
+                   {"lm_weight": 0.0, "distill_weight": 1.0, "oracle_weight": 1.0}):
+        other = KVGateModule(base_model=base_dir, train="gates", image_every_n_steps=0,
+                             recipe=recipe)
+        assert not other.gates_only_step()
