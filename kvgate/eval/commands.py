@@ -306,7 +306,7 @@ def run_ppl(cfg: PPLConfig, load: Loader | None = None) -> EvalOutput:
     evaluate_ppl(model, tokenizer, load_texts(cfg), policies, cfg.budgets, store, mode=cfg.mode,
                  max_length=cfg.max_length, prefix=cfg.prefix, batch_size=cfg.batch_size,
                  progress=cfg.progress, context=cfg.context, continuation=cfg.continuation,
-                 windows=cfg.windows, truncate=cfg.truncate)
+                 windows=cfg.windows, truncate=cfg.truncate, step=cfg.step)
     return _finish(store)
 
 

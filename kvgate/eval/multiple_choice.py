@@ -105,11 +105,14 @@ class ContinuationScores:
 @torch.no_grad()
 def score_continuations(model: nn.Module, cache: Any, contexts: Sequence[Sequence[int]],
                         continuations: Sequence[Sequence[int]], pad: int = 0,
-                        tokenizer: Any = None) -> ContinuationScores:
+                        tokenizer: Any = None, step: int | None = None) -> ContinuationScores:
     """Prefill the left-padded ``contexts`` into ``cache`` (a fresh ``CompressedCache``: its
     policy compresses them), then feed each right-padded continuation over what was kept, in
-    one forward. Every sequence non-empty. ``tokenizer``: for a ``PassScoring`` policy
-    (KVzip), whose extra passes follow the prefill (without it such a cache refuses)."""
+    one forward, or ``step`` tokens per forward: the cache runs its eviction round after each,
+    so a decode-evicting policy holds its capacity over the continuation as it would while
+    generating (``step`` 1 is decoding). Every sequence non-empty. ``tokenizer``: for a
+    ``PassScoring`` policy (KVzip), whose extra passes follow the prefill (without it such a
+    cache refuses)."""
     num_layers, _ = model_shape(model)
     device = model_device(model)
     ctx_ids, ctx_mask = left_pad(contexts, pad)
@@ -123,9 +126,16 @@ def score_continuations(model: nn.Module, cache: Any, contexts: Sequence[Sequenc
                   logits_to_keep=1).logits[:, -1:]
     run_passes(model, tokenizer, cache, ctx_ids.to(device), ctx_mask.to(device))
     kept = sum(cache.kept_counts(layer).sum(-1) for layer in range(num_layers)).cpu()
-    rest = model(input_ids=cont_ids.to(device),
-                 attention_mask=torch.cat([ctx_mask, cont_mask], dim=1).to(device),
-                 position_ids=cont_pos.to(device), past_key_values=cache, use_cache=True).logits
+    mask = torch.cat([ctx_mask, cont_mask], dim=1).to(device)
+    width = cont_ids.shape[1]
+    step = step or width
+    # one forward per block: the eviction rounds come between them (sequential by nature)
+    rest = torch.cat([
+        model(input_ids=cont_ids[:, s:s + step].to(device),
+              attention_mask=mask[:, :ctx_mask.shape[1] + min(s + step, width)],
+              position_ids=cont_pos[:, s:s + step].to(device), past_key_values=cache,
+              use_cache=True).logits
+        for s in range(0, width, step)], dim=1)
     logits = torch.cat([first, rest[:, :-1]], dim=1).float()  # [N, R, V]: predicts token r
     tok, real = cont_ids.to(device), cont_mask.to(device).bool()
     logp = logits.gather(-1, tok[..., None])[..., 0] - torch.logsumexp(logits, dim=-1)
@@ -135,14 +145,16 @@ def score_continuations(model: nn.Module, cache: Any, contexts: Sequence[Sequenc
 
 
 def cache_scores(model: nn.Module, items: Sequence[ScoringItem], policy: Policy,
-                 budget: Budget, pad: int = 0, tokenizer: Any = None) -> list[ItemScore]:
+                 budget: Budget, pad: int = 0, tokenizer: Any = None,
+                 step: int | None = None) -> list[ItemScore]:
     """Score items over a real compressed cache: prefill every (item, choice) row's context
-    with ``policy`` at ``budget``, then feed the choice as a continuation."""
+    with ``policy`` at ``budget``, then feed the choice as a continuation (``step`` tokens
+    per forward: ``score_continuations``)."""
     num_layers, kv_heads = model_shape(model)
     owner = [i for i, it in enumerate(items) for _ in it.choices]
     cache = Engine(model, None, policy, budget).new_cache()
     rows = score_continuations(model, cache, [items[i].context for i in owner],
-                               [ch for it in items for ch in it.choices], pad, tokenizer)
+                               [ch for it in items for ch in it.choices], pad, tokenizer, step)
     scores: dict[int, ItemScore] = {}
     for row, i in enumerate(owner):
         it = items[i]
@@ -157,9 +169,10 @@ def cache_scores(model: nn.Module, items: Sequence[ScoringItem], policy: Policy,
 
 def score_batch(model: nn.Module, items: Sequence[ScoringItem], policy: Policy,
                 budgets: Sequence[Budget], mode: str, pad: int = 0,
-                tokenizer: Any = None) -> list[ItemScore]:
+                tokenizer: Any = None, step: int | None = None) -> list[ItemScore]:
     """Score a batch in ``mode``; ``budgets`` has one budget per item (``tokenizer``: for a
-    ``PassScoring`` policy's extra passes in a cache)."""
+    ``PassScoring`` policy's extra passes in a cache; ``step``: continuation tokens per
+    forward in a cache)."""
     if check_mode(mode) == "masked":
         return masked_scores(model, items, policy, budgets, pad)[0]
     out: list[ItemScore | None] = [None] * len(items)
@@ -168,7 +181,7 @@ def score_batch(model: nn.Module, items: Sequence[ScoringItem], policy: Policy,
         groups.setdefault(bud, []).append(i)
     for bud, idx in groups.items():  # a compressed cache holds one budget
         for i, s in zip(idx, cache_scores(model, [items[i] for i in idx], policy, bud, pad,
-                                                 tokenizer)):
+                                          tokenizer, step)):
             out[i] = s
     return out  # type: ignore[return-value]
 
@@ -216,14 +229,14 @@ def run_items(model: nn.Module, items: Sequence[ScoringItem], policy: Policy,
               summarise: Callable[[Mapping[str, Any]], dict[str, Any]],
               extra: Mapping[str, Any] | None = None, batch_size: int = 8, pad: int = 0,
               progress: bool = True, record_budget: bool = True,
-              tokenizer: Any = None) -> dict[str, Any]:
+              tokenizer: Any = None, step: int | None = None) -> dict[str, Any]:
     """Continuation scoring of ``items`` under one key (resumable); ``budget_of(uid)`` gives
     each item's budget. Returns the stored record."""
     check_mode(mode)
 
     def score(batch: list[ScoringItem]) -> list[dict[str, Any]]:
         budgets = [budget_of(it.uid) for it in batch]
-        scores = score_batch(model, batch, policy, budgets, mode, pad, tokenizer)
+        scores = score_batch(model, batch, policy, budgets, mode, pad, tokenizer, step)
         return [score_record(it, s, b if record_budget else None)
                 for it, b, s in zip(batch, budgets, scores)]
 

@@ -114,11 +114,17 @@ def evaluate_ppl(model: nn.Module, tokenizer: Any, texts: Sequence[str],
                  *, mode: str = "masked", max_length: int = 512, prefix: float = 0.5,
                  name: str = "corpus", batch_size: int = 4, progress: bool = True,
                  context: int | None = None, continuation: int | None = None,
-                 windows: int | None = None, truncate: bool = False) -> list[str]:
+                 windows: int | None = None, truncate: bool = False,
+                 step: int | None = None) -> list[str]:
     """Perplexity of the second part of each text given its compressed first part; with
     ``context``, of fixed windows of the joined texts instead (``ppl_window_items``). Inputs
-    longer than the model's context are refused, or (texts, with ``truncate``) cut."""
+    longer than the model's context are refused, or (texts, with ``truncate``) cut. ``step``
+    (cache mode): the continuation is fed that many tokens per forward with an eviction round
+    after each, so a decode-evicting policy (H2O, TOVA, StreamingLLM, a local gate) scores it
+    while holding its capacity, as it would while generating."""
     check_mode(mode)
+    if step is not None and mode != "cache":
+        raise EvalError("ppl --step feeds the continuation through a real cache: use --mode cache")
     continuation = continuation or context
     limit = context_limit(model.config)
     if context is not None:
@@ -127,6 +133,8 @@ def evaluate_ppl(model: nn.Module, tokenizer: Any, texts: Sequence[str],
     else:
         items = ppl_items(tokenizer, texts, max_length, prefix, name, limit, truncate)
         extra = {"max_length": max_length, "prefix": prefix}
+    if step is not None:
+        extra["step"] = step
     pad = pad_id(tokenizer)
     keys = []
     for pname, policy in policies.items():
@@ -137,6 +145,6 @@ def evaluate_ppl(model: nn.Module, tokenizer: Any, texts: Sequence[str],
             key = make_key("ppl", task, pname, budget_label(bud), mode)
             run_items(model, items, policy, lambda _u, b=fixed: b, mode, store, key,
                       ppl_summary, extra, batch_size, pad, progress, record_budget=bud is not None,
-                      tokenizer=tokenizer)
+                      tokenizer=tokenizer, step=step)
             keys.append(key)
     return keys

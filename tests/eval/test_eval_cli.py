@@ -356,3 +356,13 @@ def test_a_results_file_of_the_wrong_shape_is_one_line(capsys, tiny_cli, tmp_pat
         assert code == 2 and err.count("\n") == 1, err
         assert err.startswith(f"error: {path}: ") and field in err and "move it away" in err
     assert json.loads(path.read_text()) == data  # nothing rewritten
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--step", "1"], "--step feeds the continuation through a real cache: add --mode cache"),
+    (["--step", "0", "--mode", "cache"], "--step must be >= 1, got 0"),
+])
+def test_ppl_step_needs_a_cache_and_a_positive_count(capsys, no_model, tmp_path, extra, message):
+    code, _, err = run(capsys, "ppl", "--model", "x", "--out", str(tmp_path / "o"),
+                       "--text-files", str(_text(tmp_path)), *extra)
+    assert code == 2 and err.count("\n") == 1 and message in err

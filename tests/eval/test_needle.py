@@ -231,3 +231,36 @@ def test_needle_question_after_compression_by_default(tmp_path):
         ea, eb = st.results[a]["examples"], st.results[b]["examples"]
         assert [r["gold"] for r in ea.values()] == [r["gold"] for r in eb.values()]
         assert st.results[a]["acc"] == st.results[b]["acc"]
+
+
+def test_ppl_step_scores_the_continuation_while_the_cache_holds_its_capacity(tiny_llama, tmp_path):
+    """``step``: the continuation fed a few tokens per forward with an eviction round after
+    each. The full cache scores it as one forward does; H2O, which holds its capacity while
+    decoding, scores it over fewer entries than when it evicts only after the whole
+    continuation, and its cache ends at the capacity the prefill left."""
+    from kvgate.eval.multiple_choice import score_continuations
+    from kvgate.inference import Engine
+
+    texts = ["the cat sat on the mat and looked at the door for a long while"] * 3
+    win = {"context": 12, "continuation": 8, "windows": 3, "mode": "cache"}
+
+    def ppl(policy, step, folder):
+        st = ResultStore(tmp_path / folder, {"model": "tiny", "checkpoint": None}, flush_s=0.0)
+        [key] = evaluate_ppl(tiny_llama, TOK, texts, {policy: get_policy(policy)},
+                             [Budget(ratio=0.5)], st, step=step, **win)
+        return st.results[key]
+
+    assert ppl("full", 1, "f1")["ppl"] == pytest.approx(ppl("full", None, "f")["ppl"], rel=1e-5)
+    stepped, whole = ppl("h2o", 1, "h1"), ppl("h2o", None, "h")
+    assert stepped["step"] == 1 and "step" not in whole
+    assert stepped["ppl"] != pytest.approx(whole["ppl"], rel=1e-4)
+    assert ppl("h2o", 3, "h3")["ppl"] != pytest.approx(stepped["ppl"], rel=1e-4)
+    ids = list(range(4, 24))
+    cache = Engine(tiny_llama, None, get_policy("h2o"), Budget(ratio=0.5)).new_cache()
+    score_continuations(tiny_llama, cache, [ids[:12]], [ids[12:]], step=1)
+    layers = tiny_llama.config.num_hidden_layers
+    assert all(bool((cache.kept_counts(layer) == 6).all()) for layer in range(layers))
+    with pytest.raises(EvalError, match="--mode cache"):
+        evaluate_ppl(tiny_llama, TOK, texts, {"h2o": get_policy("h2o")}, [Budget(ratio=0.5)],
+                     ResultStore(tmp_path / "m", {"model": "tiny"}, flush_s=0.0), step=1,
+                     **(win | {"mode": "masked"}))
