@@ -496,12 +496,24 @@ case "${1:-all}" in
            --out $R/ruler/powered_4k ;;
       # a trained gate at its keep threshold (trained first if missing) -> $R/ruler/powered_GATE
       # (1k, 2k) and $R/ruler/powered_GATE_4k
-      cpt_long|cpt_recipe)
+      cpt_long|cpt_recipe|cpt_oracle)
          [ -f runs/$2/gated/kvgate_config.json ] || kvgate train --config $2 --ckpt_path last
          g=(--checkpoint runs/$2/gated "${pw[@]}" --policies attention_gate)
          kvgate eval ruler "${g[@]}" --lengths 1024 --limit 48 --out $R/ruler/powered_$2
          kvgate eval ruler "${g[@]}" --lengths 2048 --limit 24 --out $R/ruler/powered_$2
          kvgate eval ruler "${g[@]}" --lengths 4096 --limit 16 --out $R/ruler/powered_${2}_4k ;;
+      # KVzip ranked globally (plain and KVzip+) and KVzip+ per head beside the full cache, the
+      # same examples as the heuristics' (each KVzip row runs its own prefill and repeat pass)
+      # -> $R/ruler/powered_kvzip (2k) and $R/ruler/powered_kvzip_4k
+      kvzip)
+         kz=(--policies full,kvzip_g=kvzip,kvzip_plus=kvzip,kvzip_plus_g=kvzip
+             --policy-opt kvzip_g.allocation=global --policy-opt kvzip_plus.plus=true
+             --policy-opt kvzip_plus_g.plus=true --policy-opt kvzip_plus_g.allocation=global
+             --budgets 0.5 --paired full)
+         kvgate eval ruler --model smollm2-135m "${pw[@]}" "${kz[@]}" --lengths 2048 --limit 24 \
+           --out $R/ruler/powered_kvzip
+         kvgate eval ruler --model smollm2-135m "${pw[@]}" "${kz[@]}" --lengths 4096 --limit 16 \
+           --out $R/ruler/powered_kvzip_4k ;;
       # which families qualify: the full cache on the other families, 8 examples at 1k
       # (niah_single_3 also at 2k / 4k) -> $R/ruler/screen
       screen)
@@ -521,7 +533,7 @@ case "${1:-all}" in
       table) python experiments/summarize_paired.py $R/ruler/powered $R/ruler/powered_4k \
            cpt_recipe=$R/ruler/powered_cpt_recipe cpt_recipe=$R/ruler/powered_cpt_recipe_4k \
            cpt_long=$R/ruler/powered_cpt_long cpt_long=$R/ruler/powered_cpt_long_4k ;;
-      *) echo "powered: PART must be heuristics, cpt_long, cpt_recipe, screen, agree or table" >&2
+      *) echo "powered: PART must be heuristics, kvzip, cpt_long, cpt_recipe, cpt_oracle, screen, agree or table" >&2
          exit 2 ;;
     esac ;;
   ruler)  # PART: issue #34's long-context table (docs/RESULTS.md section 3), the question
