@@ -496,24 +496,34 @@ case "${1:-all}" in
            --out $R/ruler/powered_4k ;;
       # a trained gate at its keep threshold (trained first if missing) -> $R/ruler/powered_GATE
       # (1k, 2k) and $R/ruler/powered_GATE_4k
-      cpt_long|cpt_recipe|cpt_oracle)
+      cpt_long|cpt_recipe|cpt_oracle|cpt_kvzap)
          [ -f runs/$2/gated/kvgate_config.json ] || kvgate train --config $2 --ckpt_path last
-         g=(--checkpoint runs/$2/gated "${pw[@]}" --policies attention_gate)
+         pol=attention_gate; [ "$2" = cpt_kvzap ] && pol=local_gate  # an MLP gate's policy
+         g=(--checkpoint runs/$2/gated "${pw[@]}" --policies $pol)
          kvgate eval ruler "${g[@]}" --lengths 1024 --limit 48 --out $R/ruler/powered_$2
          kvgate eval ruler "${g[@]}" --lengths 2048 --limit 24 --out $R/ruler/powered_$2
          kvgate eval ruler "${g[@]}" --lengths 4096 --limit 16 --out $R/ruler/powered_${2}_4k ;;
-      # KVzip ranked globally (plain and KVzip+) and KVzip+ per head beside the full cache, the
-      # same examples as the heuristics' (each KVzip row runs its own prefill and repeat pass)
-      # -> $R/ruler/powered_kvzip (2k) and $R/ruler/powered_kvzip_4k
+      # KVzip ranked globally (its better allocation; LOG 7h) beside the full cache, on the
+      # heuristics' examples (a KVzip row runs its own prefill and repeat pass: ~3x the full
+      # cache's time) -> $R/ruler/powered_kvzip (2k) and $R/ruler/powered_kvzip_4k (8 a family)
       kvzip)
-         kz=(--policies full,kvzip_g=kvzip,kvzip_plus=kvzip,kvzip_plus_g=kvzip
-             --policy-opt kvzip_g.allocation=global --policy-opt kvzip_plus.plus=true
-             --policy-opt kvzip_plus_g.plus=true --policy-opt kvzip_plus_g.allocation=global
-             --budgets 0.5 --paired full)
+         kz=(--policies full,kvzip_g=kvzip --policy-opt kvzip_g.allocation=global --budgets 0.5
+             --paired full)
          kvgate eval ruler --model smollm2-135m "${pw[@]}" "${kz[@]}" --lengths 2048 --limit 24 \
            --out $R/ruler/powered_kvzip
-         kvgate eval ruler --model smollm2-135m "${pw[@]}" "${kz[@]}" --lengths 4096 --limit 16 \
+         kvgate eval ruler --model smollm2-135m "${pw[@]}" "${kz[@]}" --lengths 4096 --limit 8 \
            --out $R/ruler/powered_kvzip_4k ;;
+      # decode-time eviction: 16 windows of 1,024 context tokens, the next 512 scored one token
+      # per forward (--step 1) while the cache evicts; the KVzap gate (threshold + 128-token
+      # window), then H2O, TOVA and StreamingLLM holding the share it kept -> $R/ppl_decode
+      decode)
+         d=(--checkpoint runs/cpt_kvzap/gated --mode cache --step 1 --context 1024
+            --continuation 512 --windows 16 --batch-size 16 --dtype bfloat16 --no-progress
+            --out $R/ppl_decode)
+         kvgate eval ppl "${d[@]}" --policies full,local_gate
+         keep=$(python -c "import json; r=json.load(open('$R/ppl_decode/results.json'))['results']; \
+print(round(1 - next(v for k, v in r.items() if '|local_gate|' in k)['evict_pct'] / 100, 2))")
+         kvgate eval ppl "${d[@]}" --policies h2o,tova,streaming --budgets "$keep" ;;
       # which families qualify: the full cache on the other families, 8 examples at 1k
       # (niah_single_3 also at 2k / 4k) -> $R/ruler/screen
       screen)
@@ -532,8 +542,11 @@ case "${1:-all}" in
       # the table: scores with n, paired gaps to the full cache and the best heuristic
       table) python experiments/summarize_paired.py $R/ruler/powered $R/ruler/powered_4k \
            cpt_recipe=$R/ruler/powered_cpt_recipe cpt_recipe=$R/ruler/powered_cpt_recipe_4k \
-           cpt_long=$R/ruler/powered_cpt_long cpt_long=$R/ruler/powered_cpt_long_4k ;;
-      *) echo "powered: PART must be heuristics, kvzip, cpt_long, cpt_recipe, cpt_oracle, screen, agree or table" >&2
+           cpt_long=$R/ruler/powered_cpt_long cpt_long=$R/ruler/powered_cpt_long_4k \
+           cpt_oracle=$R/ruler/powered_cpt_oracle cpt_oracle=$R/ruler/powered_cpt_oracle_4k \
+           cpt_kvzap=$R/ruler/powered_cpt_kvzap cpt_kvzap=$R/ruler/powered_cpt_kvzap_4k \
+           kvzip=$R/ruler/powered_kvzip kvzip=$R/ruler/powered_kvzip_4k ;;
+      *) echo "powered: PART must be heuristics, kvzip, cpt_long, cpt_recipe, cpt_oracle, cpt_kvzap, decode, screen, agree or table" >&2
          exit 2 ;;
     esac ;;
   ruler)  # PART: issue #34's long-context table (docs/RESULTS.md section 3), the question

@@ -37,6 +37,31 @@ def paired_difference(rows: Sequence[Row], reference: Sequence[Row],
             "ci_low": lo, "ci_high": hi}
 
 
+def average_paired(rows: Sequence[Row], groups: Mapping[tuple, Sequence[Row]], setting: tuple,
+                   policy_at: int, budget_at: int, unit: str) -> dict[str, Any] | None:
+    """The paired difference of an averaged row against the policy its records were paired
+    with. ``rows``: the averaged row's records, one per ``unit`` ("family", "task");
+    ``groups``: every averaged row's records by setting (a tuple holding the policy at
+    ``policy_at`` and the budget at ``budget_at``); ``setting``: this row's. The reference's
+    group is the one at the same setting, else its only budget there (``full``); units
+    are matched one to one. None when nothing was paired or the reference is missing."""
+    ref = next((r["paired"]["policy"] for r in rows if r.get("paired")), None)
+    if ref is None:
+        return None
+
+    def rest(key: tuple) -> tuple:
+        return tuple(v for i, v in enumerate(key) if i not in (policy_at, budget_at))
+
+    same = setting[:policy_at] + (ref,) + setting[policy_at + 1:]
+    found = [k for k in groups if k[policy_at] == ref and rest(k) == rest(setting)]
+    key = same if same in groups else (found[0] if len(found) == 1 else None)
+    if key is None:
+        return None
+    theirs = {r[unit]: r for r in groups[key]}
+    mine = [r for r in rows if r[unit] in theirs]
+    return {"policy": ref, **paired_difference(mine, [theirs[r[unit]] for r in mine])}
+
+
 def reference_key(results: Mapping[str, Row], key: str, policy: str) -> str | None:
     """The key of ``policy`` beside ``key``: the same kind, task, budget and mode, else its
     only budget there (a budget-free policy such as ``full``), else None."""

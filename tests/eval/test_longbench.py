@@ -152,6 +152,31 @@ def test_longbench_end_to_end_resume_and_refusals(capsys, loads, source, tmp_pat
         (out / "results.md").read_text()
 
 
+def test_the_averaged_table_carries_the_paired_gap_and_the_teacher_score(capsys, loads, source,
+                                                                         tmp_path):
+    """--paired full --score generate,teacher: the average over tasks gets its paired
+    difference (tasks matched one to one; [0, 0] for full itself, a plain average of the
+    per-task gaps' means otherwise) and the mean greedy-exact score, as RULER's does."""
+    from kvgate.eval.longbench.report import averages
+
+    out = tmp_path / "lbp"
+    code, _, err = cli(capsys, *base(source, out, "--tasks", "hotpotqa,trec-e", "--limit", "2",
+                                     "--paired", "full", "--score", "generate,teacher"))
+    assert code == 0, err
+    recs = [dict(r, task=k.split("|")[1], policy=k.split("|")[2], budget=k.split("|")[3],
+                 mode=k.split("|")[4], kind="longbench") for k, r in results(out).items()]
+    avg = {a["policy"]: a for a in averages(recs)}
+    assert (avg["full"]["paired"]["diff"], avg["full"]["paired"]["ci_high"]) == (0.0, 0.0)
+    per_task = [r["paired"]["diff"] for r in recs if r["policy"] == "snapkv"]
+    assert avg["snapkv"]["paired"]["diff"] == pytest.approx(sum(per_task) / len(per_task))
+    assert avg["snapkv"]["paired"]["n"] == 4
+    assert "teacher_acc" in avg["snapkv"]
+    md = (out / "results.md").read_text()
+    average = md[md.index("### longbench (average over tasks)"):]
+    assert "vs full (paired)" in average and "greedy-exact %" in average
+    assert "| +0.0 [0.0, 0.0] |" in average
+
+
 def test_over_long_contexts_are_refused_or_cut_in_the_middle(capsys, loads, source, tmp_path):
     run = base(source, tmp_path / "q", "--tasks", "qasper", "--policies", "full")
     code, _, err = cli(capsys, *run)

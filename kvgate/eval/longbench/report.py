@@ -30,7 +30,12 @@ def _f(value: Any, digits: int = 1) -> str:
 def averages(results: Sequence[Row]) -> list[Row]:
     """One row per (policy, budget, mode): the mean of its task scores, the 95% interval of that
     mean (bootstrap within each task), %Evict, seconds per example and their ratio to the full
-    cache's over the same tasks and mode (where ``full`` ran them)."""
+    cache's over the same tasks and mode (where ``full`` ran them); with ``--score teacher``
+    the mean greedy-exact score and agreement, with ``--paired`` the paired difference of the
+    average (tasks matched one to one)."""
+    from kvgate.eval.columns import mean_of
+    from kvgate.eval.paired import average_paired  # paired reads the store: report's module
+
     groups: dict[tuple[str, str, str], list[Row]] = defaultdict(list)
     for r in _longbench(results):
         groups[(r["policy"], r["budget"], r["mode"])].append(r)
@@ -43,7 +48,11 @@ def averages(results: Sequence[Row]) -> list[Row]:
                     "n": sum(r["n"] for r in rows),
                     "acc": sum(r["acc"] for r in rows) / len(rows), "ci_low": lo, "ci_high": hi,
                     "evict_pct": sum(r["evict_pct"] for r in rows) / len(rows),
-                    "sec_per_example": sum(r["sec_per_example"] for r in rows) / len(rows)})
+                    "sec_per_example": sum(r["sec_per_example"] for r in rows) / len(rows),
+                    **mean_of(rows, "teacher_acc"), **mean_of(rows, "agree_pct")})
+        paired = average_paired(rows, groups, (policy, budget, mode), 0, 1, "task")
+        if paired is not None:
+            out[-1]["paired"] = paired
     full = {(a["mode"], a["task_set"]): a["sec_per_example"] for a in out
             if a["policy"] == "full"}
     for a in out:
@@ -73,21 +82,25 @@ def longbench_markdown(results: Sequence[Row]) -> str:
                      f"{_f(r['sec_per_example'], 3)} |" + cells(cols, r))
     head = ("| policy | budget | mode | tasks | n | score | 95% CI | %Evict | s/example | "
             "x full |")
-    lines += ["", "### longbench (average over tasks)", "", head, "|" + "---|" * 10]
-    for a in averages(results):
+    avg = averages(results)
+    cols = optional_columns(avg)
+    extra, more = header(cols)
+    lines += ["", "### longbench (average over tasks)", "", head + extra,
+              "|" + "---|" * (10 + more)]
+    for a in avg:
         lines.append(f"| {a['policy']} | {a['budget']} | {a['mode']} | {a['tasks']} | {a['n']} "
                      f"| {_f(a['acc'])} | {_f(a['ci_low'])}-{_f(a['ci_high'])} | "
                      f"{_f(a['evict_pct'])} | {_f(a['sec_per_example'], 3)} | "
-                     f"{_f(a['x_full'], 2)} |")
+                     f"{_f(a['x_full'], 2)} |" + cells(cols, a))
     by_length = [r for r in rows if f"acc_{BUCKETS[0]}" in r]
     if by_length:
         lines += ["", "### longbench-e (score by length)", "",
                   "| task | policy | budget | mode | " + " | ".join(BUCKETS) + " |",
                   "|" + "---|" * (4 + len(BUCKETS))]
         for r in by_length:
-            cells = " | ".join(_f(r.get(f"acc_{b}")) for b in BUCKETS)
+            by_bucket = " | ".join(_f(r.get(f"acc_{b}")) for b in BUCKETS)
             lines.append(f"| {r['task']} | {r['policy']} | {r['budget']} | {r['mode']} | "
-                         f"{cells} |")
+                         f"{by_bucket} |")
     return "\n".join(lines)
 
 

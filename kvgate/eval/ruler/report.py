@@ -38,6 +38,8 @@ def averages(results: Sequence[Row]) -> list[Row]:
     """One row per (length, policy, budget, mode): the mean of the family scores, its 95%
     interval (bootstrap within each family), %Evict, seconds per example and their ratio to the
     full cache's at the same length and mode (where ``full`` ran)."""
+    from kvgate.eval.paired import average_paired  # paired reads the store: report's module
+
     groups = _group(_ruler(results))
     out = []
     for (length, policy, budget, mode), rows in sorted(groups.items()):
@@ -50,33 +52,15 @@ def averages(results: Sequence[Row]) -> list[Row]:
                     "evict_pct": sum(r["evict_pct"] for r in rows) / len(rows),
                     "sec_per_example": secs, **mean_of(rows, "teacher_acc"),
                     **mean_of(rows, "agree_pct")})
-        _average_paired(out[-1], rows, groups)
+        paired = average_paired(rows, groups, (length, policy, budget, mode), 1, 2, "family")
+        if paired is not None:
+            out[-1]["paired"] = paired
     full = {(r["length"], r["mode"], r["families"]): r["sec_per_example"] for r in out
             if r["policy"] == "full"}
     for r in out:
         ref = full.get((r["length"], r["mode"], r["families"]))
         r["x_full"] = r["sec_per_example"] / ref if ref else math.nan
     return out
-
-
-def _average_paired(avg: Row, rows: Sequence[Row],
-                    groups: dict[tuple[int, str, str, str], list[Row]]) -> None:
-    """The paired difference of an averaged row: its families against the reference's at the
-    same length and mode (same budget, else the reference's only one)."""
-    from kvgate.eval.paired import paired_difference
-
-    ref = next((r["paired"]["policy"] for r in rows if r.get("paired")), None)
-    if ref is None:
-        return
-    same = (avg["length"], ref, avg["budget"], avg["mode"])
-    found = [k for k in groups if k[0] == avg["length"] and k[1] == ref and k[3] == avg["mode"]]
-    key = same if same in groups else (found[0] if len(found) == 1 else None)
-    if key is None:
-        return
-    theirs = {r["family"]: r for r in groups[key]}
-    mine = [r for r in rows if r["family"] in theirs]
-    avg["paired"] = {"policy": ref, **paired_difference(mine, [theirs[r["family"]]
-                                                               for r in mine])}
 
 
 def ruler_markdown(results: Sequence[Row]) -> str:
