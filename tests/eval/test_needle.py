@@ -264,3 +264,23 @@ def test_ppl_step_scores_the_continuation_while_the_cache_holds_its_capacity(tin
         evaluate_ppl(tiny_llama, TOK, texts, {"h2o": get_policy("h2o")}, [Budget(ratio=0.5)],
                      ResultStore(tmp_path / "m", {"model": "tiny"}, flush_s=0.0), step=1,
                      **(win | {"mode": "masked"}))
+
+
+def test_the_needle_table_carries_the_teacher_and_paired_columns(tmp_path):
+    """--score generate,teacher --paired full on generated needles: the table gains the
+    greedy-exact score, its agreement with generation and the paired gap, as RULER's does."""
+    from kvgate.eval.paired import add_paired
+    from kvgate.eval.report import write_table
+
+    tiny_llama = build(tiny_llama_config(max_position_embeddings=512))
+    st = ResultStore(tmp_path, {"model": "tiny", "checkpoint": None}, flush_s=0.0)
+    policies = {"full": get_policy("full"), "window": get_policy("window")}
+    keys = evaluate_needle(tiny_llama, TOK, FILLER, [260], [50.0], policies,
+                           [Budget(ratio=0.5)], st, scoring="generate", samples=2,
+                           max_new_tokens=3, progress=False, scores=("generate", "teacher"))
+    add_paired(st, keys, "full")
+    md = write_table(st).read_text()
+    head = next(line for line in md.splitlines() if line.startswith("| length|depth"))
+    assert head.endswith("| greedy-exact % | agree % | vs full (paired) |")
+    full_row = next(line for line in md.splitlines() if "| full |" in line)
+    assert full_row.endswith("| +0.0 [0.0, 0.0] |")
