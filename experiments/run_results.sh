@@ -500,9 +500,9 @@ case "${1:-all}" in
          [ -f runs/$2/gated/kvgate_config.json ] || kvgate train --config $2 --ckpt_path last
          pol=attention_gate; [ "$2" = cpt_kvzap ] && pol=local_gate  # an MLP gate's policy
          g=(--checkpoint runs/$2/gated "${pw[@]}" --policies $pol)
-         kvgate eval ruler "${g[@]}" --lengths 1024 --limit 48 --out $R/ruler/powered_$2
          kvgate eval ruler "${g[@]}" --lengths 2048 --limit 24 --out $R/ruler/powered_$2
-         kvgate eval ruler "${g[@]}" --lengths 4096 --limit 16 --out $R/ruler/powered_${2}_4k ;;
+         kvgate eval ruler "${g[@]}" --lengths 4096 --limit 16 --out $R/ruler/powered_${2}_4k
+         kvgate eval ruler "${g[@]}" --lengths 1024 --limit 48 --out $R/ruler/powered_$2 ;;
       # KVzip ranked globally (its better allocation; LOG 7h) beside the full cache, on the
       # heuristics' examples (a KVzip row runs its own prefill and repeat pass: ~3x the full
       # cache's time) -> $R/ruler/powered_kvzip (2k) and $R/ruler/powered_kvzip_4k (8 a family)
@@ -513,13 +513,13 @@ case "${1:-all}" in
            --out $R/ruler/powered_kvzip
          kvgate eval ruler --model smollm2-135m "${pw[@]}" "${kz[@]}" --lengths 4096 --limit 8 \
            --out $R/ruler/powered_kvzip_4k ;;
-      # decode-time eviction: 16 windows of 1,024 context tokens, the next 512 scored one token
+      # decode-time eviction: 8 windows of 1,024 context tokens, the next 512 scored one token
       # per forward (--step 1) while the cache evicts; the KVzap gate (threshold + 128-token
       # window), then H2O, TOVA and StreamingLLM holding the share it kept -> $R/ppl_decode
       decode)
          d=(--checkpoint runs/cpt_kvzap/gated --mode cache --step 1 --context 1024
-            --continuation 512 --windows 16 --batch-size 16 --dtype bfloat16 --no-progress
-            --out $R/ppl_decode)
+            --continuation 512 --windows 8 --docs 200 --batch-size 8 --dtype bfloat16
+            --no-progress --out $R/ppl_decode)
          kvgate eval ppl "${d[@]}" --policies full,local_gate
          keep=$(python -c "import json; r=json.load(open('$R/ppl_decode/results.json'))['results']; \
 print(round(1 - next(v for k, v in r.items() if '|local_gate|' in k)['evict_pct'] / 100, 2))")
