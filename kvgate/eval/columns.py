@@ -53,3 +53,25 @@ def mean_of(rows: Sequence[Row], key: str) -> dict[str, float]:
     if rows and all(key in r for r in rows):
         return {key: sum(float(r[key]) for r in rows) / len(rows)}
     return {}
+
+
+def table(title: str, head: str, rows: Sequence[Row], line: Callable[[Row], str]) -> list[str]:
+    """A question-answering table's markdown lines: ``### title``, the ``head`` row (``| a | b
+    |``) and ``line(row)`` for each row, each followed by the optional columns some row fills."""
+    columns = optional_columns(rows)
+    extra, more = header(columns)
+    width = head.count("|") - 1
+    return [f"### {title}", "", head + extra, "|" + "---|" * (width + more)] + [
+        line(r) + cells(columns, r) for r in rows]
+
+
+def _fmt(value: Any, digits: int = 1) -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "-"
+    return f"{value:.{digits}f}"
+
+
+def score_cells(r: Row) -> str:
+    """``score | low-high | %Evict | s/example |`` of a question-answering row."""
+    return (f"{_fmt(r['acc'])} | {_fmt(r['ci_low'])}-{_fmt(r['ci_high'])} | "
+            f"{_fmt(r['evict_pct'])} | {_fmt(r['sec_per_example'], 3)} |")

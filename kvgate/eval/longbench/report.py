@@ -68,30 +68,18 @@ def longbench_markdown(results: Sequence[Row]) -> str:
                                                       r["mode"]))
     if not rows:
         return ""
-    from kvgate.eval.columns import cells, header, optional_columns
+    from kvgate.eval.columns import score_cells, table
 
-    cols = optional_columns(rows)
-    extra, more = header(cols)
-    head = ("| task | metric | policy | budget | mode | n | score | 95% CI | %Evict | "
-            "s/example |")
-    lines = ["### longbench", "", head + extra, "|" + "---|" * (10 + more)]
-    for r in rows:
-        lines.append(f"| {r['task']} | {r.get('metric', '-')} | {r['policy']} | {r['budget']} | "
-                     f"{r['mode']} | {r['n']} | {_f(r['acc'])} | {_f(r['ci_low'])}-"
-                     f"{_f(r['ci_high'])} | {_f(r['evict_pct'])} | "
-                     f"{_f(r['sec_per_example'], 3)} |" + cells(cols, r))
-    head = ("| policy | budget | mode | tasks | n | score | 95% CI | %Evict | s/example | "
-            "x full |")
-    avg = averages(results)
-    cols = optional_columns(avg)
-    extra, more = header(cols)
-    lines += ["", "### longbench (average over tasks)", "", head + extra,
-              "|" + "---|" * (10 + more)]
-    for a in avg:
-        lines.append(f"| {a['policy']} | {a['budget']} | {a['mode']} | {a['tasks']} | {a['n']} "
-                     f"| {_f(a['acc'])} | {_f(a['ci_low'])}-{_f(a['ci_high'])} | "
-                     f"{_f(a['evict_pct'])} | {_f(a['sec_per_example'], 3)} | "
-                     f"{_f(a['x_full'], 2)} |" + cells(cols, a))
+    lines = table("longbench", "| task | metric | policy | budget | mode | n | score | 95% CI | "
+                  "%Evict | s/example |", rows,
+                  lambda r: f"| {r['task']} | {r.get('metric', '-')} | {r['policy']} | "
+                            f"{r['budget']} | {r['mode']} | {r['n']} | {score_cells(r)}")
+    lines += [""] + table("longbench (average over tasks)",
+                          "| policy | budget | mode | tasks | n | score | 95% CI | %Evict | "
+                          "s/example | x full |", averages(results),
+                          lambda a: f"| {a['policy']} | {a['budget']} | {a['mode']} | "
+                                    f"{a['tasks']} | {a['n']} | {score_cells(a)} "
+                                    f"{_f(a['x_full'], 2)} |")
     by_length = [r for r in rows if f"acc_{BUCKETS[0]}" in r]
     if by_length:
         lines += ["", "### longbench-e (score by length)", "",

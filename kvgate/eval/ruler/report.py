@@ -68,30 +68,20 @@ def ruler_markdown(results: Sequence[Row]) -> str:
     rows = _ruler(results)
     if not rows:
         return ""
-    from kvgate.eval.columns import cells, header, optional_columns
+    from kvgate.eval.columns import score_cells, table
 
-    cols = optional_columns(rows)
-    extra, more = header(cols)
-    head = "| task | length | policy | budget | mode | n | score % | 95% CI | %Evict | s/example |"
-    lines = ["### ruler", "", head + extra, "|" + "---|" * (10 + more)]
-    for r in sorted(rows, key=lambda r: (r["family"], int(r["length"]), r["policy"],
-                                         r["budget"], r["mode"])):
-        lines.append(f"| {r['family']} | {r['length']} | {r['policy']} | {r['budget']} | "
-                     f"{r['mode']} | {r['n']} | {_f(r['acc'])} | {_f(r['ci_low'])}-"
-                     f"{_f(r['ci_high'])} | {_f(r['evict_pct'])} | "
-                     f"{_f(r['sec_per_example'], 3)} |" + cells(cols, r))
-    head = ("| length | policy | budget | mode | families | n | score % | 95% CI | %Evict | "
-            "s/example | x full |")
-    avg = averages(results)
-    cols = optional_columns(avg)
-    extra, more = header(cols)
-    lines += ["", "### ruler (average over task families)", "", head + extra,
-              "|" + "---|" * (11 + more)]
-    for a in avg:
-        lines.append(f"| {a['length']} | {a['policy']} | {a['budget']} | {a['mode']} | "
-                     f"{a['families']} | {a['n']} | {_f(a['acc'])} | {_f(a['ci_low'])}-"
-                     f"{_f(a['ci_high'])} | {_f(a['evict_pct'])} | "
-                     f"{_f(a['sec_per_example'], 3)} | {_f(a['x_full'], 2)} |" + cells(cols, a))
+    ordered = sorted(rows, key=lambda r: (r["family"], int(r["length"]), r["policy"],
+                                          r["budget"], r["mode"]))
+    lines = table("ruler", "| task | length | policy | budget | mode | n | score % | 95% CI | "
+                  "%Evict | s/example |", ordered,
+                  lambda r: f"| {r['family']} | {r['length']} | {r['policy']} | {r['budget']} | "
+                            f"{r['mode']} | {r['n']} | {score_cells(r)}")
+    lines += [""] + table("ruler (average over task families)",
+                          "| length | policy | budget | mode | families | n | score % | 95% CI | "
+                          "%Evict | s/example | x full |", averages(results),
+                          lambda a: f"| {a['length']} | {a['policy']} | {a['budget']} | "
+                                    f"{a['mode']} | {a['families']} | {a['n']} | "
+                                    f"{score_cells(a)} {_f(a['x_full'], 2)} |")
     return "\n".join(lines)
 
 
