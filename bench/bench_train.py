@@ -132,21 +132,28 @@ def _loss(module: KVGateModule, batch: dict) -> torch.Tensor:
     return module.objective(batch)[0]
 
 
-def measure(args, regimes: dict, impl: dict, split: dict, seq_len: int) -> None:
-    """Time every regime on the same batches of ``seq_len`` tokens, alternating, and print."""
+def make_batches(args, tokenizer, seq_len: int, count: int) -> list[dict]:
+    """Up to ``count`` training batches of ``args.batch`` blocks of ``seq_len`` tokens from the
+    corpus, on ``args.device`` (fewer where the corpus is too small)."""
     data = CPTDataModule(source="files" if args.files else "embedded", files=args.files,
                          max_docs=200, seq_len=seq_len, batch_size=args.batch,
                          val_fraction=0.0, continuation=args.continuation)
-    data.tokenizer = next(iter(regimes.values()))[0].tokenizer
+    data.tokenizer = tokenizer
     blocks = data.train_dataset()
+    collate = data.collate_train(pad_id=0)  # blocks are never padded
+    count = min(count, len(blocks) // args.batch)
+    return [{k: v.to(args.device) for k, v in
+             collate([blocks[i * args.batch + j] for j in range(args.batch)]).items()}
+            for i in range(count)]
+
+
+def measure(args, regimes: dict, impl: dict, split: dict, seq_len: int) -> None:
+    """Time every regime on the same batches of ``seq_len`` tokens, alternating, and print."""
     n_batches = args.steps + 1
-    if len(blocks) < n_batches * args.batch:
+    batches = make_batches(args, next(iter(regimes.values()))[0].tokenizer, seq_len, n_batches)
+    if len(batches) < n_batches:
         print(f"seq_len={seq_len}: corpus too small for {n_batches} batches of {args.batch}x{seq_len}")
         return
-    collate = data.collate_train(pad_id=0)  # blocks are never padded
-    batches = [{k: v.to(args.device) for k, v in
-                collate([blocks[i * args.batch + j] for j in range(args.batch)]).items()}
-               for i in range(n_batches)]
     for module, _ in regimes.values():
         module.train()
     cuda = args.device.startswith("cuda")
@@ -233,13 +240,11 @@ def profile(args, regimes: dict, impl: dict, split: dict, seq_len: int) -> None:
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
-    data = CPTDataModule(source="files" if args.files else "embedded", files=args.files,
-                         max_docs=200, seq_len=seq_len, batch_size=args.batch,
-                         val_fraction=0.0, continuation=args.continuation)
-    data.tokenizer = next(iter(regimes.values()))[0].tokenizer
-    blocks = data.train_dataset()
-    batch = {k: v.to(args.device) for k, v in
-             data.collate_train(pad_id=0)(blocks[:args.batch]).items()}
+    batches = make_batches(args, next(iter(regimes.values()))[0].tokenizer, seq_len, 1)
+    if not batches:
+        print(f"profile: corpus too small for a batch of {args.batch}x{seq_len}")
+        return
+    batch = batches[0]
     cuda = args.device.startswith("cuda")
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     key = "self_cuda_time_total" if cuda else "self_cpu_time_total"
@@ -258,7 +263,6 @@ def profile(args, regimes: dict, impl: dict, split: dict, seq_len: int) -> None:
 
 
 def main() -> int:
-
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--base", default="smollm2-135m")

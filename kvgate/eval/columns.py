@@ -65,7 +65,8 @@ def table(title: str, head: str, rows: Sequence[Row], line: Callable[[Row], str]
         line(r) + cells(columns, r) for r in rows]
 
 
-def _fmt(value: Any, digits: int = 1) -> str:
+def fmt(value: Any, digits: int = 1) -> str:
+    """A table cell's number, ``-`` where there is none (None or NaN)."""
     if value is None or (isinstance(value, float) and math.isnan(value)):
         return "-"
     return f"{value:.{digits}f}"
@@ -73,5 +74,5 @@ def _fmt(value: Any, digits: int = 1) -> str:
 
 def score_cells(r: Row) -> str:
     """``score | low-high | %Evict | s/example |`` of a question-answering row."""
-    return (f"{_fmt(r['acc'])} | {_fmt(r['ci_low'])}-{_fmt(r['ci_high'])} | "
-            f"{_fmt(r['evict_pct'])} | {_fmt(r['sec_per_example'], 3)} |")
+    return (f"{fmt(r['acc'])} | {fmt(r['ci_low'])}-{fmt(r['ci_high'])} | "
+            f"{fmt(r['evict_pct'])} | {fmt(r['sec_per_example'], 3)} |")

@@ -193,7 +193,7 @@ def _fmt(value: Any, digits: int = 2) -> str:
 
 def markdown_table(results: Iterable[dict[str, Any]]) -> str:
     """One markdown table per result kind, every complete key a row."""
-    from kvgate.eval.columns import cells, header, optional_columns
+    from kvgate.eval.columns import table
 
     by_kind: dict[str, list[dict[str, Any]]] = defaultdict(list)
     for r in results:
@@ -215,14 +215,10 @@ def markdown_table(results: Iterable[dict[str, Any]]) -> str:
         if not rows:
             continue
         spec = cols[kind]
-        # the needle's question-answering columns where its runs have them (--score, --paired)
-        extra = optional_columns(rows)
-        head, more = header(extra)
-        lines = [f"### {kind}", "", "| " + " | ".join(h for _, h in spec) + " |" + head,
-                 "|" + "---|" * (len(spec) + more)]
-        for r in rows:
-            lines.append("| " + " | ".join(_fmt(r.get(k)) for k, _ in spec) + " |"
-                         + cells(extra, r))
+        # with the needle's question-answering columns where its runs have them
+        lines = table(kind, "| " + " | ".join(h for _, h in spec) + " |", rows,
+                      lambda r, spec=spec: "| " + " | ".join(_fmt(r.get(k)) for k, _ in spec)
+                      + " |")
         parts.append("\n".join(lines))
     from kvgate.eval.ruler.report import ruler_markdown
 

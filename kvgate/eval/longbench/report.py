@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from kvgate.eval.columns import fmt
 from kvgate.eval.intervals import stratified_interval
 
 Row = dict[str, Any]
@@ -19,12 +20,6 @@ BUCKETS = ("0-4k", "4-8k", "8k+")
 
 def _longbench(results: Sequence[Row]) -> list[Row]:
     return [r for r in results if r.get("kind") == "longbench" and r.get("acc") is not None]
-
-
-def _f(value: Any, digits: int = 1) -> str:
-    if value is None or (isinstance(value, float) and math.isnan(value)):
-        return "-"
-    return f"{value:.{digits}f}"
 
 
 def averages(results: Sequence[Row]) -> list[Row]:
@@ -79,14 +74,14 @@ def longbench_markdown(results: Sequence[Row]) -> str:
                           "s/example | x full |", averages(results),
                           lambda a: f"| {a['policy']} | {a['budget']} | {a['mode']} | "
                                     f"{a['tasks']} | {a['n']} | {score_cells(a)} "
-                                    f"{_f(a['x_full'], 2)} |")
+                                    f"{fmt(a['x_full'], 2)} |")
     by_length = [r for r in rows if f"acc_{BUCKETS[0]}" in r]
     if by_length:
         lines += ["", "### longbench-e (score by length)", "",
                   "| task | policy | budget | mode | " + " | ".join(BUCKETS) + " |",
                   "|" + "---|" * (4 + len(BUCKETS))]
         for r in by_length:
-            by_bucket = " | ".join(_f(r.get(f"acc_{b}")) for b in BUCKETS)
+            by_bucket = " | ".join(fmt(r.get(f"acc_{b}")) for b in BUCKETS)
             lines.append(f"| {r['task']} | {r['policy']} | {r['budget']} | {r['mode']} | "
                          f"{by_bucket} |")
     return "\n".join(lines)

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from kvgate.eval.columns import mean_of
+from kvgate.eval.columns import fmt, mean_of
 from kvgate.eval.intervals import stratified_interval
 
 Row = dict[str, Any]
@@ -18,12 +18,6 @@ Row = dict[str, Any]
 
 def _ruler(results: Sequence[Row]) -> list[Row]:
     return [r for r in results if r.get("kind") == "ruler" and r.get("acc") is not None]
-
-
-def _f(value: Any, digits: int = 1) -> str:
-    if value is None or (isinstance(value, float) and math.isnan(value)):
-        return "-"
-    return f"{value:.{digits}f}"
 
 
 def _group(rows: Sequence[Row]) -> dict[tuple[int, str, str, str], list[Row]]:
@@ -81,7 +75,7 @@ def ruler_markdown(results: Sequence[Row]) -> str:
                           "%Evict | s/example | x full |", averages(results),
                           lambda a: f"| {a['length']} | {a['policy']} | {a['budget']} | "
                                     f"{a['mode']} | {a['families']} | {a['n']} | "
-                                    f"{score_cells(a)} {_f(a['x_full'], 2)} |")
+                                    f"{score_cells(a)} {fmt(a['x_full'], 2)} |")
     return "\n".join(lines)
 
 
