@@ -523,7 +523,8 @@ case "${1:-all}" in
          kvgate eval ppl "${d[@]}" --policies full,local_gate
          keep=$(python -c "import json; r=json.load(open('$R/ppl_decode/results.json'))['results']; \
 print(round(1 - next(v for k, v in r.items() if '|local_gate|' in k)['evict_pct'] / 100, 2))")
-         kvgate eval ppl "${d[@]}" --policies h2o,tova,streaming --budgets "$keep" ;;
+         kvgate eval ppl "${d[@]}" --policies h2o,tova,streaming --budgets "$keep"
+         python experiments/summarize_decode.py $R/ppl_decode ;;  # the gaps, t intervals
       # which families qualify: the full cache on the other families, 8 examples at 1k
       # (niah_single_3 also at 2k / 4k) -> $R/ruler/screen
       screen)
