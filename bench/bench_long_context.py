@@ -11,8 +11,9 @@ examples; within one repeat the policies run one after the other, in an order th
 repeat, so a machine shared with other jobs slows them alike. The table gives medians over
 repeats and ``x full`` = total / total of ``full`` at that length (ratios, not absolute claims).
 
-``attention_gate`` needs a gated model: ``--checkpoint DIR`` (an export, ``kvgate.load_gated``),
-or else an untrained gate is patched onto a copy of the base (``kvgate.patch``). Its cost does not
+``attention_gate`` and ``local_gate`` need a gated model: ``--checkpoint DIR`` (an export,
+``kvgate.load_gated``), or else an untrained Attention-Gate is patched onto a copy of the base
+(``kvgate.patch``). Its cost does not
 depend on the gate's weights, only on how much it evicts (the ``kept`` column: an untrained gate
 keeps nearly everything, so its answer time is the full cache's, not a trained gate's).
 
@@ -40,6 +41,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import kvgate
 from kvgate.eval.ruler.tasks import generate
 
+# the policies that read a gated model's gates (an Attention-Gate, or a local MLP / linear gate)
+GATED = ("attention_gate", "local_gate")
 UNTRAINED_NOTE = ("attention_gate: untrained gate (kvgate.patch on the base); the cost does not "
                   "depend on the gate's weights, only on how much it evicts (see kept)")
 
@@ -67,13 +70,13 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def load_models(args):
     """(base, gated or None, tokenizer, note)."""
-    need_gate = "attention_gate" in args.policies
+    need_gate = any(p in GATED for p in args.policies)
     if args.checkpoint:
         gated, tok, _ = kvgate.load_gated(args.checkpoint)
         base = None
-        if [p for p in args.policies if p != "attention_gate"]:
+        if [p for p in args.policies if p not in GATED]:
             base, _ = kvgate.load_base(args.base)
-        return base, gated, tok, f"attention_gate: gated export {args.checkpoint}"
+        return base, gated, tok, f"gated policies: gated export {args.checkpoint}"
     base, tok = kvgate.load_base(args.base)
     if not need_gate:
         return base, None, tok, ""
@@ -85,7 +88,7 @@ def load_models(args):
 
 
 def engine_for(policy: str, base, gated, tok, budget: float):
-    model = gated if policy == "attention_gate" else base
+    model = gated if policy in GATED else base
     return kvgate.Engine(model, tok, policy, budget)
 
 

@@ -25,7 +25,10 @@ elementwise stand-in that costs next to nothing (q, k, v and the gate stay in th
 rest of the backward is unchanged). materialised / attention_free is the ceiling of what any
 gated-attention kernel can gain on that step (Amdahl): where it is below 2, no kernel reaches 2x.
 
-Each timed step is forward + loss + backward + AdamW step of ``KVGateModule.training_step``.
+Each timed step is forward + loss + backward + AdamW step of ``KVGateModule.training_step``,
+the forward under ``--precision`` as Lightning runs it (the GPU recipes' ``bf16-mixed``: the
+gates' fp32 weights then compute in bf16, as they train; without it an fp32 gate beside a bf16
+base multiplies in fp32).
 The regimes alternate step by step (A, B, A, B, ...) on the same batches, so drifting load
 from other processes on the machine hits both alike. One untimed warm-up step each.
 On CUDA each step is timed between device synchronisations.
@@ -37,7 +40,7 @@ import argparse
 import gc
 import sys
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 import torch
@@ -115,11 +118,22 @@ def build(base: str, train: str, dtype: str = "float32", device: str = "cpu",
     return module, torch.optim.AdamW(params, lr=1e-4)
 
 
-def step(module: KVGateModule, opt: torch.optim.Optimizer, batch: dict) -> float:
+def precision_context(precision: str, device: torch.device):
+    """The forward's autocast as Lightning's ``trainer.precision`` sets it: "bf16-mixed" runs
+    every matmul in bf16 (the fp32 gates and LoRA weights included), "32-true" as the tensors
+    come."""
+    if precision == "bf16-mixed":
+        return torch.autocast(device.type, dtype=torch.bfloat16)
+    return nullcontext()
+
+
+def step(module: KVGateModule, opt: torch.optim.Optimizer, batch: dict,
+         precision: str = "32-true") -> float:
     device = batch["input_ids"].device
     sync_device(device)
     start = time.perf_counter()
-    loss = _loss(module, batch)
+    with precision_context(precision, device):
+        loss = _loss(module, batch)
     loss.backward()
     opt.step()
     opt.zero_grad(set_to_none=True)
@@ -169,7 +183,7 @@ def measure(args, regimes: dict, impl: dict, split: dict, seq_len: int) -> None:
             module.split_prompt = split.get(name, True)
             try:
                 with attention_impl(impl[name]):
-                    took = step(module, opt, batch)
+                    took = step(module, opt, batch, args.precision)
             except Exception as exc:  # a result too: that regime does not fit / run here
                 if not isinstance(exc, torch.OutOfMemoryError) and impl[name] not in (
                         "flex", "triton"):
@@ -195,7 +209,7 @@ def measure(args, regimes: dict, impl: dict, split: dict, seq_len: int) -> None:
     where = (torch.cuda.get_device_name(args.device) if cuda
              else f"cpu threads={torch.get_num_threads()}")
     print(f"base={args.base} seq_len={seq_len} batch={args.batch} timed_steps={args.steps} "
-          f"dtype={args.dtype} device={where} prefill={args.prefill} "
+          f"dtype={args.dtype} precision={args.precision} device={where} prefill={args.prefill} "
           f"continuation={args.continuation} distill_weight={args.distill_weight}")
     for name in regimes:
         if name in failed:
@@ -252,9 +266,9 @@ def profile(args, regimes: dict, impl: dict, split: dict, seq_len: int) -> None:
         module.split_prompt = split.get(name, True)
         try:
             with attention_impl(impl[name]):
-                step(module, opt, batch)  # warm
+                step(module, opt, batch, args.precision)  # warm
                 with torch_profile(activities=activities) as prof:
-                    step(module, opt, batch)
+                    step(module, opt, batch, args.precision)
         except torch.OutOfMemoryError:
             print(f"profile {name}: out of memory")
             continue
@@ -275,6 +289,9 @@ def main() -> int:
     parser.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                         help="frozen base weights (gates and LoRA train in fp32)")
+    parser.add_argument("--precision", default="32-true", choices=["32-true", "bf16-mixed"],
+                        help="Lightning's trainer.precision for the forward: bf16-mixed is the "
+                             "GPU recipes' (the fp32 gates then compute in bf16 too)")
     parser.add_argument("--files", nargs="*", default=None,
                         help="local .txt/.jsonl documents instead of the embedded corpus")
     parser.add_argument("--prefill", choices=["gated", "full"], default="gated",

@@ -95,10 +95,17 @@ fi
 
 base=/tmp/smollm2-random
 big=/tmp/llama7b-4layers-random
-# written once per machine: several runs in one lease share them
-[ -f "$base/config.json" ] || step "random bases" $py bench/random_base.py .gpu/smollm2-config "$base"
-[ -f "$big/config.json" ] || step "random bases" $py bench/random_base.py .gpu/llama7b-4layers "$big" \
-  --dtype bfloat16
+# written once per machine: several runs in one lease share them. The 7B shape takes over a
+# minute on a fresh machine: with the triton part it is written in the background while the
+# kernel tests and timings (which need no base) run, and awaited before the first step that does
+bases() {
+  [ -f "$base/config.json" ] || step "random bases" $py bench/random_base.py .gpu/smollm2-config "$base"
+  [ -f "$big/config.json" ] || step "random bases" $py bench/random_base.py .gpu/llama7b-4layers "$big" \
+    --dtype bfloat16
+}
+bases_pid=
+if want triton; then bases > "$out/bases.log" 2>&1 & bases_pid=$!; else bases; fi
+await_bases() { [ -z "$bases_pid" ] || { wait "$bases_pid"; cat "$out/bases.log"; bases_pid=; }; }
 docs=.gpu/docs.jsonl
 bench() {  # BASE DTYPE SEQ BATCH [PAIR [EXTRA...]]
   local b=$1 dt=$2 seq=$3 batch=$4 pair=${5:-materialised}; shift 5 2>/dev/null || shift $#
@@ -106,6 +113,17 @@ bench() {  # BASE DTYPE SEQ BATCH [PAIR [EXTRA...]]
     --pair "$pair" --device cuda --base "$b" --dtype "$dt" --files "$docs" \
     --seq-len "$seq" --batch "$batch" --steps 6 "$@"
 }
+want triton && {
+  # one tile config per kernel in the tests (autotuning each of their shapes would take minutes)
+  step "pytest -m gpu -k triton" timeout 120 env KVGATE_TRITON_AUTOTUNE=0 $py -m pytest -m gpu \
+    tests/gpu -q -p no:cacheprovider -k triton --durations=5 2>&1 | tee "$out/pytest_triton.log"
+  # the kernel alone against SDPA flash and against itself with every tile masked, on each
+  # kernel's first tile config (an autotuned pass needs ~100 s per head width first)
+  step "bench_kernel --triton (first tile configs)" timeout 120 env KVGATE_TRITON_AUTOTUNE=0 \
+    $py bench/bench_kernel.py --device cuda --triton --repeats 10 \
+    --shapes 1,32,32,2048,128 1,32,32,4096,128 1,9,3,2048,64 1,9,3,4096,64
+} 2>&1 | grep --line-buffered -v "it/s\]" | tee "$out/bench_kernel.log"
+await_bases
 if want bench; then
   {
     for seq in 1024 2048 4096; do bench "$big" bfloat16 $seq 1; done
@@ -143,11 +161,6 @@ want train && {
   done
 } 2>&1 | grep --line-buffered -v "it/s\]" | tee "$out/train.log"
 
-if want triton; then
-  # one tile config per kernel in the tests (autotuning each of their shapes would take minutes)
-  step "pytest -m gpu -k triton" timeout 150 env KVGATE_TRITON_AUTOTUNE=0 $py -m pytest -m gpu \
-    tests/gpu -q -p no:cacheprovider -k triton --durations=5 2>&1 | tee "$out/pytest_triton.log"
-fi
 want decode && {
   step "pytest -m gpu -k graph" timeout 60 $py -m pytest -m gpu tests/gpu -q -p no:cacheprovider \
     -k graph
@@ -164,23 +177,24 @@ want decode && {
 } 2>&1 | grep --line-buffered -v "Loading weights" | tee "$out/bench_decode.log"
 
 want triton && {
-  # ~12 compilations for the autotuner before the first timing (an H100 needed over 90 s
-  # when fp32 inputs were tuned too)
-  step "bench_kernel --triton" timeout 180 $py bench/bench_kernel.py --device cuda --triton \
-    --repeats 5 --shapes 1,9,3,2048,64 1,32,32,2048,128 1,32,32,4096,128
-  step "bench_train triton 7B shape" timeout 150 $py bench/bench_train.py --pair materialised \
-    --device cuda --base "$big" --dtype bfloat16 --files "$docs" --batch 1 --steps 4 --triton \
-    --seq-len 1024 2048 4096 8192
-  step "bench_train lora triton 7B shape" timeout 100 $py bench/bench_train.py --pair lora \
-    --device cuda --base "$big" --dtype bfloat16 --files "$docs" --batch 1 --steps 4 --triton \
-    --seq-len 2048 4096 8192
-  step "bench_train triton SmolLM2 shape" timeout 80 $py bench/bench_train.py --pair materialised \
-    --device cuda --base "$base" --dtype bfloat16 --files "$docs" --batch 1 --steps 4 --triton \
-    --seq-len 1024 4096
-  # where gates + LoRA spend the time LoRA alone does not: one profiled step of each
-  step "bench_train lora profile 7B shape" timeout 120 $py bench/bench_train.py --pair lora \
-    --device cuda --base "$big" --dtype bfloat16 --files "$docs" --batch 1 --steps 2 --triton \
-    --seq-len 4096 --profile
+  # gates + LoRA against LoRA only as the GPU recipes train (bf16-mixed: the fp32 gates compute
+  # in bf16), then the same at 4k without autocast (the gates' matmuls in fp32), then where
+  # the time goes: one profiled step of each regime
+  lora=(--pair lora --device cuda --base "$big" --dtype bfloat16 --files "$docs" --batch 1
+        --triton)
+  step "bench_train lora triton bf16-mixed 7B shape" timeout 120 env KVGATE_TRITON_AUTOTUNE=0 \
+    $py bench/bench_train.py "${lora[@]}" --steps 4 --precision bf16-mixed --seq-len 2048 4096 8192
+  step "bench_train lora triton 32-true 7B shape" timeout 60 env KVGATE_TRITON_AUTOTUNE=0 \
+    $py bench/bench_train.py "${lora[@]}" --steps 3 --seq-len 4096
+  step "bench_train lora profile 7B shape" timeout 75 env KVGATE_TRITON_AUTOTUNE=0 \
+    $py bench/bench_train.py "${lora[@]}" --steps 1 --precision bf16-mixed --seq-len 4096 --profile
+  # gates-only against the materialised kernel (met at 2k-8k last time), bf16-mixed
+  step "bench_train triton 7B shape" timeout 90 env KVGATE_TRITON_AUTOTUNE=0 $py bench/bench_train.py \
+    --pair materialised --device cuda --base "$big" --dtype bfloat16 --files "$docs" --batch 1 \
+    --steps 3 --triton --precision bf16-mixed --seq-len 2048 4096
+  # last, as the deadline allows: the autotuned kernels (tile configs printed)
+  step "bench_kernel --triton autotuned" timeout 150 $py bench/bench_kernel.py --device cuda \
+    --triton --repeats 10 --shapes 1,32,32,4096,128 1,9,3,2048,64
 } 2>&1 | grep --line-buffered -v "it/s\]" | tee "$out/bench_triton.log"
 
 if want flextests; then

@@ -81,9 +81,10 @@ def test_cuda_and_cpu_give_the_same_gated_attention():
 
 
 def _kernel_case(n: int, nq: int, d: int = 16, dtype=torch.float32, one_shot: bool = False,
-                 per_query_head: bool = False):
+                 per_query_head: bool = False, padded: bool = True):
     """(q, k, v, gate) leaves on CUDA (2 x 4 query heads over 2 KV heads), the base mask with
-    sample 0 left-padded, and for one-shot use prompts of different lengths."""
+    sample 0 left-padded (else plain causal: the Triton kernels' far-tile loops), and for
+    one-shot use prompts of different lengths."""
     g = torch.Generator().manual_seed(0)
     b, h, hk = 2, 4, 2
     q = torch.randn(b, h, nq, d, generator=g).to(CUDA, dtype).requires_grad_(True)
@@ -91,8 +92,10 @@ def _kernel_case(n: int, nq: int, d: int = 16, dtype=torch.float32, one_shot: bo
             for _ in "kv")
     gate = (torch.rand(b, h if per_query_head else hk, n, generator=g) > 0.4).float()
     gate = gate.to(CUDA).requires_grad_(True)
-    allowed = torch.ones(b, 1, nq, n, dtype=torch.bool, device=CUDA)
-    allowed[0, :, :, :3] = False
+    pos = torch.arange(n, device=CUDA)
+    allowed = (pos[None, :] <= pos[n - nq:, None]).expand(b, 1, nq, n).clone()
+    if padded:
+        allowed[0, :, :, :3] = False
     prompt = None
     if one_shot:
         prompt = torch.zeros(b, n, dtype=torch.bool, device=CUDA)
@@ -124,20 +127,26 @@ def test_flex_kernel_on_cuda_gives_the_chunked_kernels_output_and_four_gradients
 
 # each case compiles its own kernels (~5 s): a few that together cover every dtype, head
 # width 16 / 64 / 128, several tiles, queries after a prefix (nq < n) and both gate layouts
-@pytest.mark.parametrize("n,nq,d,dtype,one_shot,per_query_head", [
-    (37, 37, 16, torch.float32, False, False), (300, 300, 64, torch.float32, True, True),
-    (300, 100, 128, torch.bfloat16, True, False), (520, 520, 128, torch.bfloat16, False, False),
-    (300, 300, 64, torch.float16, False, True), (520, 200, 64, torch.bfloat16, False, True),
+@pytest.mark.parametrize("n,nq,d,dtype,one_shot,per_query_head,padded", [
+    (37, 37, 16, torch.float32, False, False, True),
+    (300, 300, 64, torch.float32, True, True, True),
+    (300, 100, 128, torch.bfloat16, True, False, True),
+    (520, 520, 128, torch.bfloat16, False, False, True),
+    (300, 300, 64, torch.float16, False, True, True),
+    (520, 200, 64, torch.bfloat16, False, True, True),
+    # unpadded causal masks: the far tiles read by keep flags alone
+    (520, 520, 128, torch.bfloat16, False, False, False),
+    (700, 300, 64, torch.float32, False, True, False),
 ])
 def test_triton_kernel_on_cuda_gives_the_chunked_kernels_output_and_four_gradients(
-        n, nq, d, dtype, one_shot, per_query_head):
+        n, nq, d, dtype, one_shot, per_query_head, padded):
     """The compiled Triton kernels (tests/gate/test_triton_attention.py runs them interpreted):
     GQA, padding, a recent band, one-shot prompts, fp32 exactly and half precision within
     its rounding of the chunked kernel (fp32 throughout)."""
     from kvgate.attention.triton_kernel import interpreting
 
     assert not interpreting(), "run the GPU tests with TRITON_INTERPRET=0"
-    tensors, allowed, prompt = _kernel_case(n, nq, d, dtype, one_shot, per_query_head)
+    tensors, allowed, prompt = _kernel_case(n, nq, d, dtype, one_shot, per_query_head, padded)
     results = _against_chunked("triton", tensors, allowed, 5, prompt)
     (want, want_grads), (got, got_grads) = results["chunked"], results["triton"]
     tol = {torch.float32: 1e-4, torch.bfloat16: 3e-2, torch.float16: 5e-3}[dtype]
