@@ -13,8 +13,7 @@ are checked against the materialised ones, so a faster but wrong setting fails l
 ``--flex`` adds the FlexAttention kernel twice: as training runs it (fp32 tiles) and fed bf16
 tiles (``flex_bf16``, checked to 2% of the largest reference value).
 ``--triton`` adds the Triton kernel on bf16 inputs (``triton_bf16``, as a bf16 model calls
-it), the same with every tile under the full mask rules (``triton_masked_bf16``: what the loops
-over far tiles, read by keep flags alone, save) and beside them the bar it is held to: SDPA's
+it) and beside it the bar it is held to: SDPA's
 FlashAttention backend, causal, no gate, bf16 (``sdpa_flash_bf16``, not checked: it computes
 another function, and has no gate gradient).
 ``--profile`` prints the top CUDA/CPU ops of one kvgate step (torch.profiler).
@@ -84,31 +83,13 @@ def regimes(backward_rows: list[int], flex: bool = False, triton: bool = False) 
         # dots, a second autotuning of every kernel; its correctness is tests/gpu's)
         out["triton_bf16"] = _bf16(functools.partial(gated_attention, recent=RECENT,
                                                      kernel="triton"))
-        # the same kernel with every tile under the full mask rules: what the far-tile loops
-        # (keep flags alone below the diagonal's band) save
-        out["triton_masked_bf16"] = _bf16(_all_tiles_masked(functools.partial(
-            gated_attention, recent=RECENT, kernel="triton")))
         out["sdpa_flash_bf16"] = _bf16(_sdpa_flash)
     return out
 
 
-def _all_tiles_masked(fn):
-    """``fn`` with the Triton kernel's far-tile loops off (fixed when the forward builds its
-    problem, so the backward follows)."""
-    def run(*args):
-        from kvgate.attention import triton_kernel
-
-        triton_kernel.FAR_TILES = False
-        try:
-            return fn(*args)
-        finally:
-            triton_kernel.FAR_TILES = True
-    return run
-
-
 # regimes checked against the materialised kernel relative to the largest reference value
 # (half-precision inputs), instead of fp32's absolute tolerances
-RELATIVE = {"flex_bf16": 2e-2, "triton_bf16": 2e-2, "triton_masked_bf16": 2e-2}
+RELATIVE = {"flex_bf16": 2e-2, "triton_bf16": 2e-2}
 # timed only: not the gated attention (the bar the gated kernel is held to)
 UNCHECKED = {"sdpa_flash_bf16"}
 
@@ -128,7 +109,7 @@ def _close(name: str, got, want, atol: float, rtol: float) -> bool:
     return torch.allclose(got, want, atol=atol, rtol=rtol)
 
 
-def check(fns: dict, tensors, grad_out) -> None:
+def check(fns: dict, tensors, grad_out, warn: bool = False) -> None:
     ref = step(fns["materialised"], tensors, grad_out).detach()
     ref_grads = [t.grad.clone() for t in tensors]
     for name, fn in fns.items():
@@ -139,15 +120,18 @@ def check(fns: dict, tensors, grad_out) -> None:
         bad = [i for i, (t, r) in enumerate(zip(tensors, ref_grads))
                if t.grad is None or not _close(name, t.grad, r, 2e-3, 2e-3)]
         if not _close(name, out, ref, 1e-4, 1e-3) or bad:
-            raise SystemExit(f"{name} disagrees with the materialised kernel "
-                             f"(output or gradients {bad} of q, k, v, gate)")
+            msg = (f"{name} disagrees with the materialised kernel "
+                   f"(output or gradients {bad} of q, k, v, gate)")
+            if not warn:
+                raise SystemExit(msg)
+            print(f"  WARNING: {msg}; timed anyway (--on-mismatch warn)")
 
 
-def bench_shape(shape, device, fns: dict, repeats: int) -> dict:
+def bench_shape(shape, device, fns: dict, repeats: int, warn: bool = False) -> dict:
     tensors = inputs(shape, device)
     grad_out = torch.randn_like(tensors[0]).mul_(0.1)
     t0 = time.perf_counter()
-    check(fns, tensors, grad_out)  # each regime's first call: compilation included
+    check(fns, tensors, grad_out, warn)  # each regime's first call: compilation included
     print(f"  first calls (compilation included): {time.perf_counter() - t0:.1f} s", flush=True)
     times = {name: [] for name in fns}
     peak = {}
@@ -194,6 +178,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--triton", action="store_true",
                     help="add the Triton kernel (bf16 inputs) and SDPA flash (CUDA)")
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--on-mismatch", choices=["fail", "warn"], default="fail",
+                    help="a regime disagreeing with the materialised kernel: stop, or say so "
+                         "and time it anyway (a diagnosis, never a result)")
     args = ap.parse_args(argv)
     device = torch.device(args.device)
     if args.flex and device.type != "cuda":
@@ -209,7 +196,7 @@ def main(argv: list[str] | None = None) -> dict:
         _, h, _, n, _ = shape
         rows = gated_mod._rows_per_chunk(h, n, None, device)
         print(f"shape B,H,H_kv,n,d={text} on {device} (default backward rows per chunk: {rows})")
-        res = bench_shape(shape, device, fns, args.repeats)
+        res = bench_shape(shape, device, fns, args.repeats, args.on_mismatch == "warn")
         ref = res["materialised"][0]
         for name, (sec, mem) in res.items():
             mem_txt = "" if mem is None else f", peak +{mem:.2f} GiB"
@@ -217,9 +204,7 @@ def main(argv: list[str] | None = None) -> dict:
                   f"{ref / sec:.2f}x")
         if "triton_bf16" in res:
             print(f"  triton_bf16 / sdpa_flash_bf16 time: "
-                  f"{res['triton_bf16'][0] / res['sdpa_flash_bf16'][0]:.2f}x (target <= 1.5x); "
-                  f"far tiles save {1 - res['triton_bf16'][0] / res['triton_masked_bf16'][0]:.0%}"
-                  f" of the all-masked kernel's time")
+                  f"{res['triton_bf16'][0] / res['sdpa_flash_bf16'][0]:.2f}x (target <= 1.5x)")
         if args.profile:
             profile(shape, device, fns["kvgate"] if "kvgate" in fns else next(iter(fns.values())))
         results[text] = res

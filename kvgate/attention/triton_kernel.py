@@ -50,9 +50,6 @@ LOG2E = 1.4426950408889634
 _CLAMP2 = EXP_CLAMP * LOG2E
 # masks the mask vectors can take (a constexpr of every kernel)
 _MASK_NONE, _MASK_RUNS, _MASK_DENSE = 0, 1, 2
-# False: every tile goes through the full mask rules (bench/bench_kernel.py's `triton_masked`
-# regime sets it, to measure what the far-tile loops save side by side)
-FAR_TILES = True
 
 
 def triton_available() -> bool:
@@ -73,7 +70,7 @@ _CANDIDATES = {
 }
 # under the interpreter (tests): small tiles, so several tiles and their edges are exercised
 _INTERPRETER_TILES = (16, 16, 4, 1)
-_TUNE_KEY = ["D", "MASK_MODE", "HAS_PROMPT", "PRECISION", "FAR"]
+_TUNE_KEY = ["D", "MASK_MODE", "HAS_PROMPT", "PRECISION"]
 
 
 def _tuned(kernel, which: str):
@@ -119,7 +116,7 @@ def _mask_vectors(allowed: Tensor | None, n: int, device: torch.device):
     empty = count == 0
     runs = ((hi - lo + 1 == count) | empty).all()
     # a plain causal mask (what transformers builds for an unpadded batch) is no mask at all:
-    # the kernels then skip the mask rules on tiles far below the diagonal
+    # the kernels then read no mask vectors
     diagonal = torch.arange(n - rows.shape[1], n, device=device, dtype=torch.int32)
     causal = ((lo == 0) & (hi == diagonal) & ~empty).all()
     runs, causal = torch.stack([runs, causal]).tolist()  # one device sync for both
@@ -156,8 +153,6 @@ class _Problem:
         self.window = max(int(recent), 1)
         self.block_d = max(16, triton.next_power_of_2(self.d))
         self.precision = "ieee" if q.dtype == torch.float32 else "tf32"
-        # tiles far below the diagonal read only keep flags where no other rule applies
-        self.far = FAR_TILES and self.mode == _MASK_NONE and not self.has_prompt
 
     def mask_args(self) -> tuple:
         return (self.lo.stride(0) if self.lo.dim() == 2 else 0,
@@ -176,8 +171,7 @@ class _Problem:
             return (triton.cdiv(rows, meta[tile]), heads)
 
         consts = {"D": self.d, "BLOCK_D": self.block_d, "MASK_MODE": self.mode,
-                  "HAS_PROMPT": self.has_prompt, "PRECISION": self.precision,
-                  "FAR": self.far, **tiles}
+                  "HAS_PROMPT": self.has_prompt, "PRECISION": self.precision, **tiles}
         return kernel[grid], consts
 
 

@@ -83,7 +83,7 @@ def test_cuda_and_cpu_give_the_same_gated_attention():
 def _kernel_case(n: int, nq: int, d: int = 16, dtype=torch.float32, one_shot: bool = False,
                  per_query_head: bool = False, padded: bool = True):
     """(q, k, v, gate) leaves on CUDA (2 x 4 query heads over 2 KV heads), the base mask with
-    sample 0 left-padded (else plain causal: the Triton kernels' far-tile loops), and for
+    sample 0 left-padded (else plain causal), and for
     one-shot use prompts of different lengths."""
     g = torch.Generator().manual_seed(0)
     b, h, hk = 2, 4, 2
@@ -134,7 +134,7 @@ def test_flex_kernel_on_cuda_gives_the_chunked_kernels_output_and_four_gradients
     (520, 520, 128, torch.bfloat16, False, False, True),
     (300, 300, 64, torch.float16, False, True, True),
     (520, 200, 64, torch.bfloat16, False, True, True),
-    # unpadded causal masks: the far tiles read by keep flags alone
+    # unpadded causal masks (read as no mask)
     (520, 520, 128, torch.bfloat16, False, False, False),
     (700, 300, 64, torch.float32, False, True, False),
 ])
