@@ -18,6 +18,16 @@ def straight_through(scores: Tensor, gamma: float, tau: float) -> Tensor:
     return hard + soft - soft.detach()
 
 
+def in_gate_dtype(hidden: Tensor, weight: Tensor) -> Tensor:
+    """A gate's input in its weights' dtype (fp32: the gates train in fp32 beside a bf16
+    base). Under autocast it is left as it comes: autocast runs the gate's matmuls in its own
+    dtype whatever the input's, so the upcast would only add a copy per layer (on a GPU, a
+    third of what gates + LoRA spend over LoRA alone outside the attention kernel)."""
+    if torch.is_autocast_enabled(hidden.device.type):
+        return hidden
+    return hidden.to(weight.dtype)
+
+
 class Gate(GatedRoute):
     """A gate hung on one attention module as ``kv_gate``: raw scores ``[B, H_gate, n]`` from
     the layer's normalised input (``scores``), thresholded as the Attention-Gate paper's

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from torch import Tensor, nn
 
-from kvgate.gate.base import Gate
+from kvgate.gate.base import Gate, in_gate_dtype
 from kvgate.gate.config import GateConfig
 
 
@@ -42,7 +42,7 @@ class LinearGate(Gate):
 
     def scores(self, hidden: Tensor, position_embeddings=None,
                attend: Tensor | None = None) -> Tensor:
-        return self.proj(hidden.to(self.proj.weight.dtype)).float().transpose(1, 2)
+        return self.proj(in_gate_dtype(hidden, self.proj.weight)).float().transpose(1, 2)
 
     def extra_repr(self) -> str:
         return f"out_heads={self.out_heads}, tau={self.config.tau}, gamma={self.config.gamma}"
@@ -70,7 +70,7 @@ class MLPGate(Gate):
 
     def scores(self, hidden: Tensor, position_embeddings=None,
                attend: Tensor | None = None) -> Tensor:
-        x = hidden.to(self.up.weight.dtype)
+        x = in_gate_dtype(hidden, self.up.weight)
         return self.down(nn.functional.gelu(self.up(x))).float().transpose(1, 2)
 
     def extra_repr(self) -> str:

@@ -9,7 +9,7 @@ import math
 import torch
 from torch import Tensor, nn
 
-from kvgate.gate.base import Gate, straight_through
+from kvgate.gate.base import Gate, in_gate_dtype, straight_through
 from kvgate.gate.config import GateConfig
 
 __all__ = ["AttentionGate", "straight_through"]
@@ -61,7 +61,7 @@ class AttentionGate(Gate):
     def scores(self, hidden: Tensor, position_embeddings=None, attend: Tensor | None = None) -> Tensor:
         """Raw gate scores ``[B, H_gate, n]`` (before gamma and the sigmoid), in fp32."""
         b, n, _ = hidden.shape
-        x = hidden.to(self.q_proj.weight.dtype)
+        x = in_gate_dtype(hidden, self.q_proj.weight)
         shape = (b, n, self.heads, self.head_dim)
         q = self.q_proj(x).view(shape).transpose(1, 2)
         k = self.k_proj(x).view(shape).transpose(1, 2)

@@ -219,3 +219,24 @@ def test_attention_gate_policy_runs_a_local_gate_and_keeps_generated_tokens(kind
     for layer in range(2):
         held = _held(cache, layer, 17)
         assert held[0, :, 10:13].all() and held[1, :, 14:17].all()  # the 3 tokens fed back
+
+
+@pytest.mark.parametrize("kind", GATE_KINDS)
+def test_under_autocast_a_gate_reads_a_half_precision_input_without_an_upcast_copy(kind,
+                                                                                   monkeypatch):
+    """bf16-mixed (the GPU recipes): the fp32 gate's scores from a bf16 input equal those from
+    the input upcast first (autocast runs the matmuls in bf16 either way), and no fp32 copy of
+    the input is made; outside autocast the input is upcast to the weights' fp32."""
+    from kvgate.gate import base
+
+    model = build(tiny_llama_config())
+    kvgate.patch(model, GateConfig(kind=kind, hidden=16))
+    gate = gate_modules(model)[0]
+    hidden = torch.randn(2, 9, 64).bfloat16()
+    assert base.in_gate_dtype(hidden, torch.zeros(1)).dtype == torch.float32
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = gate.scores(hidden)
+        assert base.in_gate_dtype(hidden, torch.zeros(1)) is hidden
+        monkeypatch.setattr(torch, "is_autocast_enabled", lambda *a: False)  # the old upcast
+        want = gate.scores(hidden)
+    assert got.dtype == torch.float32 and torch.equal(got, want)
