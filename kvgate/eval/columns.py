@@ -1,6 +1,7 @@
-"""The optional columns of the question-answering tables (RULER, LongBench): the teacher
-score and its agreement with the generated one (``--score``), and the paired difference
-(``--paired``); a column is there only when a row has its number."""
+"""The optional columns of the evaluation tables (RULER, LongBench, needle, ppl): the teacher
+score and its agreement with the generated one (``--score``), the paired difference
+(``--paired``) and, for perplexity in cache mode, what the cache holds after the continuation;
+a column is there only when a row has its number."""
 
 from __future__ import annotations
 
@@ -33,6 +34,8 @@ def optional_columns(rows: Sequence[Row]) -> list[tuple[str, Callable[[Row], str
         out.append(("greedy-exact %", _number("teacher_acc")))
     if any("agree_pct" in r for r in rows):
         out.append(("agree %", _number("agree_pct")))
+    if any("held_end_pct" in r for r in rows):  # ppl in cache mode: the cache at the end
+        out.append(("held at end %", _number("held_end_pct")))
     names = sorted({r["paired"]["policy"] for r in rows if r.get("paired")})
     if names:
         out.append((f"vs {', '.join(names)} (paired)", _paired))

@@ -78,6 +78,8 @@ class ItemScore:
     n_ctx: int  # real context tokens
     kept: int  # kept (layer, KV head, token) entries of the context
     total: int  # L x H_kv x n_ctx
+    # cache mode: entries held after each choice's continuation (None where no cache ran)
+    held_end: list[int] | None = None
 
     @property
     def evict(self) -> float:

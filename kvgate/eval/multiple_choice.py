@@ -100,6 +100,9 @@ class ContinuationScores:
     kept: Tensor  # long
     n_real: Tensor  # long
     tokens: Tensor  # long
+    # entries held after the continuation (context and continuation, all layers and KV
+    # heads): what a policy that also evicts while decoding holds by the end
+    held_end: Tensor  # long
 
 
 @torch.no_grad()
@@ -141,7 +144,8 @@ def score_continuations(model: nn.Module, cache: Any, contexts: Sequence[Sequenc
     logp = logits.gather(-1, tok[..., None])[..., 0] - torch.logsumexp(logits, dim=-1)
     loglik = (logp.double() * real).sum(-1).cpu()
     greedy = ((logits.argmax(-1) == tok) | ~real).all(-1).cpu()
-    return ContinuationScores(loglik, greedy, kept, n_real, cont_mask.sum(-1))
+    held_end = sum(cache.kept_counts(layer).sum(-1) for layer in range(num_layers)).cpu()
+    return ContinuationScores(loglik, greedy, kept, n_real, cont_mask.sum(-1), held_end)
 
 
 def cache_scores(model: nn.Module, items: Sequence[ScoringItem], policy: Policy,
@@ -161,9 +165,10 @@ def cache_scores(model: nn.Module, items: Sequence[ScoringItem], policy: Policy,
         if i not in scores:
             n = int(rows.n_real[row])
             scores[i] = ItemScore(it.uid, [], [], n, int(rows.kept[row]),
-                                  num_layers * kv_heads * n)
+                                  num_layers * kv_heads * n, held_end=[])
         scores[i].loglik.append(float(rows.loglik[row]))
         scores[i].tokens.append(int(rows.tokens[row]))
+        scores[i].held_end.append(int(rows.held_end[row]))
     return [scores[i] for i in range(len(items))]
 
 
@@ -217,11 +222,17 @@ def mc_summary(records: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
 
 
 def score_record(item: ScoringItem, score: ItemScore, budget: Budget | None) -> dict[str, Any]:
-    return {"ll": score.loglik, "tokens": score.tokens, "gold": item.gold,
-            "chars": list(item.choice_chars or score.tokens), "n_ctx": score.n_ctx,
-            "kept": score.kept, "total": score.total, "evict": score.evict,
-            "budget": None if budget is None else (budget.ratio if budget.ratio is not None
-                                                   else budget.tokens)}
+    record = {"ll": score.loglik, "tokens": score.tokens, "gold": item.gold,
+              "chars": list(item.choice_chars or score.tokens), "n_ctx": score.n_ctx,
+              "kept": score.kept, "total": score.total, "evict": score.evict,
+              "budget": None if budget is None else (budget.ratio if budget.ratio is not None
+                                                     else budget.tokens)}
+    if score.held_end is not None:  # cache mode: what the cache holds after each choice
+        per_token = score.total / max(score.n_ctx, 1)  # layers x KV heads
+        record["held_end"] = score.held_end
+        record["held_end_share"] = [h / max(per_token * (score.n_ctx + t), 1)
+                                    for h, t in zip(score.held_end, score.tokens)]
+    return record
 
 
 def run_items(model: nn.Module, items: Sequence[ScoringItem], policy: Policy,

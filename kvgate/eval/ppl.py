@@ -105,8 +105,14 @@ def ppl_summary(records: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
     nll = -sum(r["ll"][0] for r in records.values())
     tokens = sum(r["tokens"][0] for r in records.values())
     ppl = math.exp(nll / tokens) if tokens else math.nan
-    return {"n": len(records), "tokens": tokens, "nll": nll, "ppl": ppl,
-            **evict_summary(records)}
+    out = {"n": len(records), "tokens": tokens, "nll": nll, "ppl": ppl,
+           **evict_summary(records)}
+    shares = [r["held_end_share"][0] for r in records.values() if "held_end_share" in r]
+    if shares and len(shares) == len(records):
+        # the cache's size after the continuation over all positions seen (context and
+        # continuation): below the context's kept share where a policy evicts while decoding
+        out["held_end_pct"] = 100.0 * sum(shares) / len(shares)
+    return out
 
 
 def evaluate_ppl(model: nn.Module, tokenizer: Any, texts: Sequence[str],

@@ -250,9 +250,15 @@ def test_ppl_step_scores_the_continuation_while_the_cache_holds_its_capacity(tin
                              [Budget(ratio=0.5)], st, step=step, **win)
         return st.results[key]
 
-    assert ppl("full", 1, "f1")["ppl"] == pytest.approx(ppl("full", None, "f")["ppl"], rel=1e-5)
+    full = ppl("full", 1, "f1")
+    assert full["ppl"] == pytest.approx(ppl("full", None, "f")["ppl"], rel=1e-5)
     stepped, whole = ppl("h2o", 1, "h1"), ppl("h2o", None, "h")
     assert stepped["step"] == 1 and "step" not in whole
+    # the records say what the cache holds at the end: everything, or H2O's 6 of 20 positions
+    assert full["held_end_pct"] == pytest.approx(100.0)
+    assert stepped["held_end_pct"] == pytest.approx(30.0)
+    # a one-shot policy keeps the 8 continuation entries beside its 6
+    assert ppl("snapkv", 1, "s1")["held_end_pct"] == pytest.approx(70.0)
     assert stepped["ppl"] != pytest.approx(whole["ppl"], rel=1e-4)
     assert ppl("h2o", 3, "h3")["ppl"] != pytest.approx(stepped["ppl"], rel=1e-4)
     ids = list(range(4, 24))
