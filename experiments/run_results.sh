@@ -479,7 +479,7 @@ case "${1:-all}" in
       $R/mc_headroom_c $R/mc_headroom_r3 $R/mc_short_full --paired full --any-mode ;;
   powered)  # PART: docs/RESULTS.md section 3, RULER with the question asked after compression,
     # scored by teacher forcing (greedy-exact after the model's greedy lead-in), bf16, at 50%
-    # eviction, examples per (family, length): 48 at 1k, 24 at 2k, 16 at 4k. Each PART writes
+    # eviction, 48 examples per (family, length) (KVzip: 24 at 2k, 8 at 4k). Each PART writes
     # folders of $R/ruler/ (4k apart, so that it can run beside the rest).
     pw=(--tasks niah_single_1,niah_single_2 --score teacher --dtype bfloat16 --no-progress)
     heur=(--policies full,streaming,h2o,tova,snapkv,knorm,adakv,tova_g=tova
@@ -490,9 +490,9 @@ case "${1:-all}" in
       heuristics)
          kvgate eval ruler --model smollm2-135m "${pw[@]}" "${heur[@]}" --lengths 1024 --limit 48 \
            --out $R/ruler/powered
-         kvgate eval ruler --model smollm2-135m "${pw[@]}" "${heur[@]}" --lengths 2048 --limit 24 \
+         kvgate eval ruler --model smollm2-135m "${pw[@]}" "${heur[@]}" --lengths 2048 --limit 48 \
            --out $R/ruler/powered
-         kvgate eval ruler --model smollm2-135m "${pw[@]}" "${heur[@]}" --lengths 4096 --limit 16 \
+         kvgate eval ruler --model smollm2-135m "${pw[@]}" "${heur[@]}" --lengths 4096 --limit 48 \
            --out $R/ruler/powered_4k ;;
       # a trained gate at its keep threshold (trained first if missing) -> $R/ruler/powered_GATE
       # (1k, 2k) and $R/ruler/powered_GATE_4k
@@ -500,22 +500,29 @@ case "${1:-all}" in
          [ -f runs/$2/gated/kvgate_config.json ] || kvgate train --config $2 --ckpt_path last
          pol=attention_gate; [ "$2" = cpt_kvzap ] && pol=local_gate  # an MLP gate's policy
          g=(--checkpoint runs/$2/gated "${pw[@]}" --policies $pol)
-         kvgate eval ruler "${g[@]}" --lengths 2048 --limit 24 --out $R/ruler/powered_$2
-         kvgate eval ruler "${g[@]}" --lengths 4096 --limit 16 --out $R/ruler/powered_${2}_4k
+         # cpt_long keeps its 4k records beside its 1k / 2k ones
+         four=$R/ruler/powered_${2}_4k; [ "$2" = cpt_long ] && four=$R/ruler/powered_$2
+         kvgate eval ruler "${g[@]}" --lengths 2048 --limit 48 --out $R/ruler/powered_$2
+         kvgate eval ruler "${g[@]}" --lengths 4096 --limit 48 --out "$four"
          kvgate eval ruler "${g[@]}" --lengths 1024 --limit 48 --out $R/ruler/powered_$2 ;;
-      # KVzip ranked globally (its better allocation; LOG 7h) beside the full cache, on the
-      # heuristics' examples (a KVzip row runs its own prefill and repeat pass: ~3x the full
-      # cache's time) -> $R/ruler/powered_kvzip (2k) and $R/ruler/powered_kvzip_4k (8 a family)
+      # KVzip ranked globally (its better allocation; LOG 7h) and KVzip+ ranked globally and
+      # per head (2k) beside the full cache, on the heuristics' examples (a KVzip row runs its
+      # own prefill and repeat pass: ~3x the full cache's time) -> $R/ruler/powered_kvzip (2k) and $R/ruler/powered_kvzip_4k (8 a family)
       kvzip)
-         kz=(--policies full,kvzip_g=kvzip --policy-opt kvzip_g.allocation=global --budgets 0.5
-             --paired full)
+         kz=(--policies full,kvzip_g=kvzip,kvzipp_g=kvzip,kvzipp=kvzip --budgets 0.5 --paired full
+             --policy-opt kvzip_g.allocation=global --policy-opt kvzipp_g.allocation=global
+             --policy-opt kvzipp_g.plus=true --policy-opt kvzipp.plus=true)
          kvgate eval ruler --model smollm2-135m "${pw[@]}" "${kz[@]}" --lengths 2048 --limit 24 \
            --out $R/ruler/powered_kvzip
-         kvgate eval ruler --model smollm2-135m "${pw[@]}" "${kz[@]}" --lengths 4096 --limit 8 \
+         kz4=(--policies full,kvzip_g=kvzip --policy-opt kvzip_g.allocation=global --budgets 0.5
+              --paired full)  # plain KVzip only at 4k: ~2 min an example on this CPU
+         kvgate eval ruler --model smollm2-135m "${pw[@]}" "${kz4[@]}" --lengths 4096 --limit 8 \
            --out $R/ruler/powered_kvzip_4k ;;
       # decode-time eviction: 8 windows of 1,024 context tokens, the next 512 scored one token
       # per forward (--step 1) while the cache evicts; the KVzap gate (threshold + 128-token
       # window), then H2O, TOVA and StreamingLLM holding the share it kept -> $R/ppl_decode
+      # (the records say what each cache holds at the end: held_end_pct; the stored folder
+      # predates it, its gate and TOVA rows rerun with it in $R/ppl_decode_held)
       decode)
          d=(--checkpoint runs/cpt_kvzap/gated --mode cache --step 1 --context 1024
             --continuation 512 --windows 8 --docs 200 --batch-size 8 --dtype bfloat16
