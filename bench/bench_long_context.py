@@ -13,9 +13,9 @@ repeats and ``x full`` = total / total of ``full`` at that length (ratios, not a
 
 ``attention_gate`` and ``local_gate`` need a gated model: ``--checkpoint DIR`` (an export,
 ``kvgate.load_gated``), or else an untrained Attention-Gate is patched onto a copy of the base
-(``kvgate.patch``). Its cost does not
-depend on the gate's weights, only on how much it evicts (the ``kept`` column: an untrained gate
-keeps nearly everything, so its answer time is the full cache's, not a trained gate's).
+(``kvgate.patch``). Its cost does not depend on the gate's weights, only on how much it evicts
+(the ``kept`` column: an untrained gate keeps nearly everything, so its answer time is the full
+cache's, not a trained gate's).
 
 ``--profile``: the gated prefill at the largest length, once more, under a timer split (the
 gate's own attention over the prefix, the eq.-5 masked prefill attention ``eq5_attention``

@@ -14,9 +14,10 @@
 # decode (batched decode over the compressed cache vs transformers' dense cache, 4k prompts,
 # batch 1 / 8 / 32, SnapKV, Ada-KV and a ranked gate at 50%, on both shapes, eager and each
 # replaying one CUDA graph per step, the dense one on transformers' StaticCache), triton (the
-# Triton kernel's CUDA tests, then the kernel alone against the materialised one and SDPA flash,
-# training steps at 1k-8k against the chunked and materialised kernels and LoRA-only, and a
-# profiled gates + LoRA step). Each
+# Triton kernel's CUDA tests, the kernel alone against the materialised one and SDPA flash,
+# gates + LoRA against LoRA-only at 2k-8k in bf16-mixed and at 4k without autocast, a profiled
+# step of each, gates-only against the chunked and materialised kernels, the autotuned kernel
+# last). Each
 # step of the flex, flextests, decode and triton parts runs under a time limit, so one slow step
 # cannot eat a lease; with DEADLINE=S set, a step that would start after S seconds is skipped.
 #
@@ -119,8 +120,8 @@ want triton && {
   # one tile config per kernel in the tests (autotuning each of their shapes would take minutes)
   step "pytest -m gpu -k triton" timeout 120 env KVGATE_TRITON_AUTOTUNE=0 $py -m pytest -m gpu \
     tests/gpu -q -p no:cacheprovider -k triton --durations=5 2>&1 | tee "$out/pytest_triton.log"
-  # the kernel alone against SDPA flash and against itself with every tile masked, on each
-  # kernel's first tile config (an autotuned pass needs ~100 s per head width first)
+  # the kernel alone against SDPA flash, on each kernel's first tile config (an autotuned pass
+  # needs ~100 s per head width first)
   step "bench_kernel --triton (first tile configs)" timeout 120 env KVGATE_TRITON_AUTOTUNE=0 \
     $py bench/bench_kernel.py --device cuda --triton --repeats 10 \
     --shapes 1,32,32,2048,128 1,32,32,4096,128 1,9,3,2048,64 1,9,3,4096,64

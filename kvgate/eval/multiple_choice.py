@@ -128,7 +128,7 @@ def score_continuations(model: nn.Module, cache: Any, contexts: Sequence[Sequenc
                   position_ids=ctx_pos.to(device), past_key_values=cache, use_cache=True,
                   logits_to_keep=1).logits[:, -1:]
     run_passes(model, tokenizer, cache, ctx_ids.to(device), ctx_mask.to(device))
-    kept = sum(cache.kept_counts(layer).sum(-1) for layer in range(num_layers)).cpu()
+    kept = _held_entries(cache, num_layers)
     mask = torch.cat([ctx_mask, cont_mask], dim=1).to(device)
     width = cont_ids.shape[1]
     step = step or width
@@ -144,8 +144,13 @@ def score_continuations(model: nn.Module, cache: Any, contexts: Sequence[Sequenc
     logp = logits.gather(-1, tok[..., None])[..., 0] - torch.logsumexp(logits, dim=-1)
     loglik = (logp.double() * real).sum(-1).cpu()
     greedy = ((logits.argmax(-1) == tok) | ~real).all(-1).cpu()
-    held_end = sum(cache.kept_counts(layer).sum(-1) for layer in range(num_layers)).cpu()
-    return ContinuationScores(loglik, greedy, kept, n_real, cont_mask.sum(-1), held_end)
+    return ContinuationScores(loglik, greedy, kept, n_real, cont_mask.sum(-1),
+                              _held_entries(cache, num_layers))
+
+
+def _held_entries(cache: Any, num_layers: int) -> Tensor:
+    """[N] entries the cache holds per row, over all layers and KV heads, on the CPU."""
+    return sum(cache.kept_counts(layer).sum(-1) for layer in range(num_layers)).cpu()
 
 
 def cache_scores(model: nn.Module, items: Sequence[ScoringItem], policy: Policy,
