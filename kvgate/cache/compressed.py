@@ -51,6 +51,7 @@ from kvgate.policies.contract import (
     DecodeEvicting,
     EncodeMasking,
     LayerPrompt,
+    PassAttention,
     Policy,
     PolicyError,
     RowScoring,
@@ -221,6 +222,17 @@ class CompressedCache(HandlerCache):
         """Bytes of the policy's per-slot decode statistics (padded, not part of K/V)."""
         return sum(t.numel() * t.element_size() for layer in self.layers
                    for t in layer.stats.values())
+
+    # ----------------------------------------------------------------- extra passes
+
+    def new_pass_scores(self, store: RaggedStore) -> Tensor:
+        """A layer's running scores before a ``PassScoring`` policy's passes: zeros
+        ``[B, H_kv, T]`` (``SharedPasses`` keeps one row of them per scorer)."""
+        return torch.zeros(store.batch, store.kv_heads, store.base_len, device=store.device)
+
+    def score_pass(self, part: PassAttention) -> Tensor:
+        """The scores one block of pass rows gives, shaped like ``new_pass_scores``."""
+        return self.policy.pass_scores(part).float()
 
     # ----------------------------------------------------------------- attention
 

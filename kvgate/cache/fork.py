@@ -21,7 +21,8 @@ from kvgate.policies.contract import DecodeEvicting
 from kvgate.policies.full import Full
 
 
-def _fork_layer(layer: _Layer) -> _Layer:
+def fork_layer(layer: _Layer) -> _Layer:
+    """One layer's state for a fork: the store shared, the small per-layer state cloned."""
     if layer.pending:
         raise CacheError("cannot fork a cache in the middle of a forward pass")
     return _Layer(
@@ -38,7 +39,7 @@ def fork_cache(cache: CompressedCache) -> CompressedCache:
     if not isinstance(cache, CompressedCache):
         raise CacheError(f"can only fork a CompressedCache, got {type(cache).__name__}")
     twin = copy.copy(cache)
-    twin.layers = [_fork_layer(layer) for layer in cache.layers]
+    twin.layers = [fork_layer(layer) for layer in cache.layers]
     return twin
 
 

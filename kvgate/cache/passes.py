@@ -47,8 +47,7 @@ def stash_layer(cache: Any, layer: Any, prompt: LayerPrompt, moves: Tensor) -> N
     layout. After the last layer, a scored policy chooses at once."""
     policy, store = cache.policy, layer.store
     if isinstance(policy, PassScoring):
-        layer.scores = torch.zeros(store.batch, store.kv_heads, store.base_len,
-                                   device=store.device)
+        layer.scores = cache.new_pass_scores(store)
         layer.forced = None
         cache.awaiting_passes = True
         return
@@ -68,6 +67,9 @@ def choose_all(cache: Any) -> None:
     layers = cache.layers
     if any(layer.scores is None for layer in layers):
         raise CacheError("an all-layer choice needs every layer's prefill first")
+    if layers[0].scores.dim() != 3:
+        raise CacheError("running scores of several scorers (SharedPasses) are chosen per "
+                         "variant: split() the cache")
     store0 = layers[0].store
     valid = store0.base_slot_valid()[:, 0]  # [B, T]: every head holds the same real tokens
     scores = torch.stack([layer.scores for layer in layers])  # [L, B, H_kv, T]
@@ -149,7 +151,7 @@ def pass_attention(cache: Any, layer: Any, module: Any, query: Tensor, key: Tens
         probs.masked_fill_(~valid[:, None, lo:hi, None], 0.0)  # padding rows: 0
         part = PassAttention(module.layer_idx, cache.num_layers, probs, valid[:, lo:hi], cv,
                              stored, None if hidden is None else hidden[:, lo:hi], module)
-        layer.scores = torch.maximum(layer.scores, cache.policy.pass_scores(part).float())
+        layer.scores = torch.maximum(layer.scores, cache.score_pass(part))
     return out.transpose(1, 2)
 
 

@@ -3,7 +3,8 @@
 - question-agnostic (the field's setting: kvpress, RULER under eviction): the policy compresses
   the context alone (:func:`kvgate.inference.compress.prefill_rows`), then the question is fed
   over the compressed cache and the answer decoded (``answer_rows``), so the policy never sees
-  the question; :func:`ask_shared` does this for several one-shot policies from one prefill;
+  the question; :func:`ask_shared` does this for several one-shot policies from one prefill
+  (or several ``PassScoring`` ones from one prefill and one run of their passes);
 - query-aware: context and question are prefilled together under the policy, which then sees
   the question, and decoding follows (``decode_after``).
 
@@ -107,7 +108,8 @@ def ask_shared(model: nn.Module, tokenizer: Any, context: Sequence[int], questio
                variants: Mapping[str, tuple[Policy, Budget]],
                scores: Sequence[str]) -> dict[str, Asked]:
     """:func:`ask_agnostic` for several one-shot ``variants[name] = (policy, budget)``: one
-    shared prefill (``kvgate.cache.shared.SharedPrefill``), then the question over every
+    shared prefill (``kvgate.cache.shared.SharedPrefill``; ``PassScoring`` variants that read
+    the same passes: ``kvgate.cache.shared_passes.SharedPasses``), then the question over every
     compressed cache at once, as the rows of one batch (``kvgate.cache.fork.stack_caches``; a
     decode-evicting policy's budgets form a batch of their own, decoded under it). The answers
     are each variant's own run's, up to the float rounding a batch may change. A variant's

@@ -27,7 +27,7 @@ from typing import Any
 
 from torch import nn
 
-from kvgate.cache.shared import shares_prefill
+from kvgate.cache.shared_passes import share_group
 from kvgate.eval.asked import Asked, Question, ask_agnostic, ask_query_aware, ask_shared
 from kvgate.eval.config_long import check_scores
 from kvgate.eval.intervals import mean_interval
@@ -169,20 +169,24 @@ def _run_cell(model: nn.Module, tokenizer: Any, bench: QABenchmark, cell: Cell,
              bud or Budget(ratio=1.0))
             for name, policy in policies.items()
             for bud in ([None] if policy.budget_free else budgets)]
-    # question-agnostic one-shot policies share each example's prefill (SharedPrefill): the
-    # first key that needs an example scores it for every shared key still lacking it
+    # question-agnostic one-shot policies share each example's prefill (SharedPrefill), and
+    # PassScoring ones reading the same passes share the prefill and the passes
+    # (SharedPasses): the first key of a group that needs an example scores it for every key
+    # of the group still lacking it
+    group = {key: share_group(policy) for key, policy, _ in jobs}
     shared = {key: (policy, fixed) for key, policy, fixed in jobs
-              if not query_aware and shares_prefill(policy)}
+              if not query_aware and group[key] is not None}
     pending: dict[str, dict[str, Record]] = {}  # uid -> key -> record
 
     def run_shared(batch: list[QAItem], key: str) -> list[Record]:
         for it in batch:
             if key not in pending.get(it.uid, {}):
-                want = {k: v for k, v in shared.items()
-                        if k == key or it.uid not in store.examples(k)}
+                want = {k: v for k, v in shared.items() if group[k] == group[key]
+                        and (k == key or it.uid not in store.examples(k))}
                 asked = ask_shared(model, tokenizer, it.context, it.question, want, scores)
-                pending[it.uid] = {k: {**record(bench, it, a), "shared_prefill": len(want)}
-                                   for k, a in asked.items()}
+                pending.setdefault(it.uid, {}).update(
+                    {k: {**record(bench, it, a), "shared_prefill": len(want)}
+                     for k, a in asked.items()})
         return [pending[it.uid].pop(key) for it in batch]
 
     for key, policy, fixed in jobs:

@@ -33,6 +33,7 @@ from kvgate.cache import CompressedCache
 from kvgate.cache.fork import fork_cache, grow_capacity
 from kvgate.cache.passes import choose_all, extra_pass
 from kvgate.cache.shared import SharedPrefill
+from kvgate.cache.shared_passes import SharedPasses, share_group
 from kvgate.files import read_user_text
 from kvgate.inference.decode import decode, left_padded_positions, until_eos
 from kvgate.models.limits import InputTooLongError, context_limit, fit_to_context
@@ -172,35 +173,54 @@ def compress_shared(engine: Any, contexts: str | list[str],
                     variants: Mapping[str, tuple[Policy, Budget | float | str]],
                     chat: bool = True) -> tuple[dict[str, CompressedContext], dict[str, float]]:
     """``contexts`` compressed under every one-shot ``variants[name] = (policy, budget)`` from a
-    single prefill (``kvgate.cache.shared.SharedPrefill``): each result equals
+    single prefill (``kvgate.cache.shared.SharedPrefill``), or under ``PassScoring`` variants
+    reading the same passes from a single prefill and run of the passes
+    (``kvgate.cache.shared_passes.SharedPasses``): each result equals
     ``Engine(model, tokenizer, policy, budget).compress(contexts)`` and is answered with
-    ``answer`` like one. Also returns each variant's own seconds inside the shared prefill.
-    ``compress_ms`` of every result is the shared prefill's."""
-    shared = SharedPrefill(engine.model, variants)
-    return _split_shared(_prefill_contexts(engine, contexts, chat, shared), shared)
+    ``answer`` like one. Also returns each variant's own seconds (its choice).
+    ``compress_ms`` of every result is the shared prefill's (and passes')."""
+    shared = _shared_cache(engine, variants)
+    lead = _prefill_contexts(engine, contexts, chat, shared,
+                             choose=not isinstance(shared, SharedPasses))
+    return _split_shared(lead, shared)
 
 
 def compress_rows_shared(engine: Any, rows: list[list[int]],
                          variants: Mapping[str, tuple[Policy, Budget | float | str]],
                          ) -> tuple[dict[str, CompressedContext], dict[str, float]]:
     """:func:`compress_shared` of contexts already tokenised (``prefill_rows``)."""
-    shared = SharedPrefill(engine.model, variants)
-    return _split_shared(prefill_rows(engine, rows, shared)[0], shared)
+    shared = _shared_cache(engine, variants)
+    lead = prefill_rows(engine, rows, shared, choose=not isinstance(shared, SharedPasses))[0]
+    return _split_shared(lead, shared)
 
 
-def _split_shared(lead: CompressedContext, shared: SharedPrefill,
+def _shared_cache(engine: Any, variants: Mapping[str, tuple[Policy, Budget | float | str]],
+                  ) -> SharedPrefill | SharedPasses:
+    """What serves every variant from one prefill: a ``SharedPasses`` when all are
+    ``PassScoring`` policies reading the same passes, else a ``SharedPrefill`` (which refuses
+    any policy it cannot serve)."""
+    groups = {share_group(policy) for policy, _ in variants.values()}
+    if len(groups) == 1 and isinstance(next(iter(groups)), tuple):
+        return SharedPasses(engine.model, variants)
+    return SharedPrefill(engine.model, variants)
+
+
+def _split_shared(lead: CompressedContext, shared: SharedPrefill | SharedPasses,
                   ) -> tuple[dict[str, CompressedContext], dict[str, float]]:
+    caches, seconds = (shared.split() if isinstance(shared, SharedPasses)
+                       else (shared.caches, shared.seconds))
     out = {name: CompressedContext(cache, lead.input_ids, lead.attention_mask, lead.chat,
                                    lead.suffix, lead.contexts, cache.kept_fraction(),
                                    cache.kept_fractions(), cache.bytes_held(), cache.full_bytes(),
                                    lead.compress_ms)
-           for name, cache in shared.caches.items()}
-    return out, dict(shared.seconds)
+           for name, cache in caches.items()}
+    return out, dict(seconds)
 
 
 @torch.no_grad()
 def _prefill_contexts(engine: Any, contexts: str | list[str], chat: bool,
-                      cache: CompressedCache, reserve: int = 1) -> CompressedContext:
+                      cache: CompressedCache, reserve: int = 1,
+                      choose: bool = True) -> CompressedContext:
     contexts = [contexts] if isinstance(contexts, str) else list(contexts)
     if not contexts or any(not isinstance(c, str) or not c.strip() for c in contexts):
         raise PolicyError("contexts must be a non-empty list of non-empty strings")
@@ -216,17 +236,20 @@ def _prefill_contexts(engine: Any, contexts: str | list[str], chat: bool,
                           getattr(engine, "truncate", False), what="context",
                           reserved="tokens for the question and its answer" if reserve > 1
                           else "new tokens")
-    return prefill_rows(engine, rows, cache, chat, tail, contexts, pass_chat=chat)[0]
+    return prefill_rows(engine, rows, cache, chat, tail, contexts, pass_chat=chat,
+                        choose=choose)[0]
 
 
 @torch.no_grad()
 def prefill_rows(engine: Any, rows: list[list[int]], cache: CompressedCache, chat: bool = False,
                  suffix: str = "", contexts: list[str] | None = None,
-                 pass_chat: bool | None = None) -> tuple[CompressedContext, Any]:
+                 pass_chat: bool | None = None,
+                 choose: bool = True) -> tuple[CompressedContext, Any]:
     """Prefill token ``rows`` (left padded) into ``cache``: the compressed context and the
     forward's output (its last logits predict each row's next token). A ``PassScoring``
     policy's passes run before the choice; ``pass_chat`` is how they ask (``run_passes``'s
-    ``chat``: None, the chat template where the tokenizer has one)."""
+    ``chat``: None, the chat template where the tokenizer has one); ``choose=False`` stops
+    before the choice (a ``SharedPasses`` chooses per variant)."""
     ids, mask = left_pad(rows, pad_id(engine.tokenizer))
     device = engine.device
     ids, mask = ids.to(device), mask.to(device)
@@ -235,7 +258,7 @@ def prefill_rows(engine: Any, rows: list[list[int]], cache: CompressedCache, cha
     out = engine.model(input_ids=ids, attention_mask=mask,
                        position_ids=left_padded_positions(mask), past_key_values=cache,
                        use_cache=True, logits_to_keep=1)
-    run_passes(engine.model, engine.tokenizer, cache, ids, mask, pass_chat)
+    run_passes(engine.model, engine.tokenizer, cache, ids, mask, pass_chat, choose)
     sync_device(device)
     ms = 1000.0 * (time.perf_counter() - t0)
     return CompressedContext(cache, ids, mask, chat, suffix, list(contexts or []),

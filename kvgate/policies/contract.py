@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import numbers
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -313,6 +313,17 @@ class PassScoring(Policy):
     def choose(self, scores: Tensor, valid: Tensor, budget: Budget) -> Tensor:
         """Every layer's keep mask at once: scores ``[L, B, H_kv, T]``, valid ``[B, T]`` bool
         (slot t = the sample's t-th real prompt token) -> ``[L, B, H_kv, T]`` bool."""
+
+    def pass_key(self) -> Hashable:
+        """What ``passes`` depends on: policies with equal keys read the very same passes, so
+        one run of them can serve all (``kvgate.cache.shared_passes``). The default shares
+        only with an equal policy."""
+        return repr(self)
+
+    def scorer_key(self) -> Hashable:
+        """What ``pass_scores`` depends on: policies with equal keys raise the same running
+        scores and differ only in ``choose`` (budget, allocation). Default: an equal policy."""
+        return repr(self)
 
 
 def prefill_band(policy: Policy, prompt: LayerPrompt) -> int | None:

@@ -132,6 +132,15 @@ class KVzip(ScoredPolicy, PassScoring, AllocationOption):
         sq = torch.einsum("bktd,kgde,bkte->bkgt", v, gram, v)
         return sq.clamp(min=0.0).sqrt().reshape(b, h, t)
 
+    def pass_key(self) -> tuple:
+        """The repeat pass depends on the chunk size alone."""
+        return (self.name, self.chunk)
+
+    def scorer_key(self) -> tuple:
+        """KVzip and KVzip+ weigh the same attention differently; sinks, budget and
+        allocation enter only the choice."""
+        return (self.name, self.chunk, self.plus)
+
     def choose(self, scores: Tensor, valid: Tensor, budget: Budget) -> Tensor:
         """Sinks plus the highest scores, per head or over all layers and heads at once.
         scores [L, B, H_kv, T], valid [B, T] -> [L, B, H_kv, T] bool."""

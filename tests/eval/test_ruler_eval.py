@@ -225,6 +225,52 @@ def test_kvzip_runs_its_repeat_pass_in_ruler(capsys, tiny, tmp_path, flags):
     assert len(res) == 2
     for rec in res.values():
         assert rec["complete"] and rec["evict_pct"] == pytest.approx(50, abs=5)
+def test_kvzip_variants_share_each_examples_repeat_pass(capsys, tiny, tmp_path, monkeypatch):
+    """KVzip and KVzip+ per head and global at two budgets: one prefill and one repeat pass per
+    example serve all eight keys (a SharedPasses), beside the one-shot policies' own shared
+    prefill; every record equals the variant's own compress + answer."""
+    from kvgate.eval import runner
+    from kvgate.eval.ruler.run import RULER
+    from kvgate.policies.base import Budget
+
+    calls = []
+    real = runner.ask_shared
+    monkeypatch.setattr(runner, "ask_shared", lambda m, t, ctx, q, want, scores: calls.append(
+        sorted(want)) or real(m, t, ctx, q, want, scores))
+    out = tmp_path / "z"
+    code, _, err = cli(capsys, "eval", "ruler", "--model", "x", "--tasks", "niah_single_1",
+                       "--lengths", "300", "--limit", "2", "--max-new-tokens", "4",
+                       "--no-progress", "--budgets", "0.5,0.25", "--policies",
+                       "full,snapkv,kvzip,kzg=kvzip,kzp=kvzip,kzpg=kvzip",
+                       "--policy-opt", "kzg.allocation=global", "--policy-opt", "kzp.plus=true",
+                       "--policy-opt", "kzpg.plus=true", "--policy-opt",
+                       "kzpg.allocation=global", "--out", str(out))
+    assert code == 0, err
+    key = "ruler|niah_single_1@300|{}|agnostic".format
+    passes = sorted(key(f"{p}|{b}") for p in ("kvzip", "kzg", "kzp", "kzpg")
+                    for b in ("0.5", "0.25"))
+    prefill = sorted([key("full|none"), key("snapkv|0.5"), key("snapkv|0.25")])
+    assert sorted(map(tuple, calls)) == sorted([tuple(prefill)] * 2 + [tuple(passes)] * 2)
+    res = results(out)
+    items = {it.uid: it for it in build_items(char_tokenizer(), "niah_single_1", 300,
+                                              (0, 25, 50, 75, 100), 2, max_new_cap=4)}
+    from kvgate.eval.config import parse_policies  # how the CLI built each policy
+
+    policies = parse_policies("kvzip,kzg=kvzip,kzp=kvzip,kzpg=kvzip",
+                              ["kzg.allocation=global", "kzp.plus=true", "kzpg.plus=true",
+                               "kzpg.allocation=global"])
+    for k in passes:
+        _, _, name, bud, _ = k.split("|")
+        for uid, ex in res[k]["examples"].items():
+            it = items[uid]
+            alone = runner.record(RULER, it, runner.ask_agnostic(
+                tiny, char_tokenizer(), it.context, it.question, policies[name],
+                Budget(ratio=float(bud)), ["generate"]))
+            assert (ex["output"], ex["kept"], ex["score"]) == (
+                alone["output"], alone["kept"], alone["score"]), (k, uid)
+            assert ex["shared_prefill"] == 8
+
+
 def test_teacher_scores_and_paired_differences_reach_the_tables(capsys, tiny, tmp_path):
     """--score generate,teacher: records carry the gold answers' tokens, greedy-exact and
     log-likelihood, keys their agreement; --paired full: every row's difference to full on
