@@ -505,19 +505,37 @@ case "${1:-all}" in
          kvgate eval ruler "${g[@]}" --lengths 2048 --limit 48 --out $R/ruler/powered_$2
          kvgate eval ruler "${g[@]}" --lengths 4096 --limit 48 --out "$four"
          kvgate eval ruler "${g[@]}" --lengths 1024 --limit 48 --out $R/ruler/powered_$2 ;;
-      # KVzip ranked globally (its better allocation; LOG 7h) and KVzip+ ranked globally and
-      # per head (2k) beside the full cache, on the heuristics' examples (a KVzip row runs its
-      # own prefill and repeat pass: ~3x the full cache's time) -> $R/ruler/powered_kvzip (2k) and $R/ruler/powered_kvzip_4k (8 a family)
+      # KVzip and KVzip+, per head and ranked globally, at 25 / 50 / 75% eviction (2k, 24 a
+      # family: one prefill and one repeat pass per example serve all twelve, SharedPasses),
+      # beside the full cache on the heuristics' examples; plain KVzip ranked globally at 4k
+      # (8 a family, ~2 min an example) -> $R/ruler/powered_kvzip and $R/ruler/powered_kvzip_4k
       kvzip)
-         kz=(--policies full,kvzip_g=kvzip,kvzipp_g=kvzip,kvzipp=kvzip --budgets 0.5 --paired full
+         kz=(--policies full,kvzip,kvzip_g=kvzip,kvzipp=kvzip,kvzipp_g=kvzip
+             --budgets 0.75,0.5,0.25 --paired full
              --policy-opt kvzip_g.allocation=global --policy-opt kvzipp_g.allocation=global
              --policy-opt kvzipp_g.plus=true --policy-opt kvzipp.plus=true)
          kvgate eval ruler --model smollm2-135m "${pw[@]}" "${kz[@]}" --lengths 2048 --limit 24 \
            --out $R/ruler/powered_kvzip
          kz4=(--policies full,kvzip_g=kvzip --policy-opt kvzip_g.allocation=global --budgets 0.5
-              --paired full)  # plain KVzip only at 4k: ~2 min an example on this CPU
+              --paired full)
          kvgate eval ruler --model smollm2-135m "${pw[@]}" "${kz4[@]}" --lengths 4096 --limit 8 \
            --out $R/ruler/powered_kvzip_4k ;;
+      # the sweep, 25 and 75% eviction at 1k / 2k: the heuristics (48 a family) and the gates at
+      # a dialled threshold (2k, 24 a family; tau calibrated on 4 contexts at 2k: e25 / e75)
+      sweep)
+         h=(--policies full,streaming,tova,snapkv,knorm,tova_g=tova --policy-opt tova_g.allocation=global
+            --budgets 0.75,0.25 --paired full)
+         for n in 2048 1024; do
+           kvgate eval ruler --model smollm2-135m "${pw[@]}" "${h[@]}" --lengths $n --limit 48 \
+             --out $R/ruler/powered
+         done
+         for g in cpt_kvzap:local_gate:0.24:0.82 cpt_oracle:attention_gate:0.18:0.76 \
+                  cpt_long:attention_gate:0.23:0.67; do
+           IFS=: read -r gate pol t25 t75 <<< "$g"
+           kvgate eval ruler --checkpoint runs/$gate/gated "${pw[@]}" --lengths 2048 --limit 24 \
+             --policies e25=$pol,e75=$pol --policy-opt e25.tau=$t25 --policy-opt e75.tau=$t75 \
+             --out $R/ruler/powered_$gate
+         done ;;
       # decode-time eviction: 8 windows of 1,024 context tokens, the next 512 scored one token
       # per forward (--step 1) while the cache evicts; the KVzap gate (threshold + 128-token
       # window), then H2O, TOVA and StreamingLLM holding the share it kept -> $R/ppl_decode
@@ -532,6 +550,13 @@ case "${1:-all}" in
 print(round(1 - next(v for k, v in r.items() if '|local_gate|' in k)['evict_pct'] / 100, 2))")
          kvgate eval ppl "${d[@]}" --policies h2o,tova,streaming --budgets "$keep"
          python experiments/summarize_decode.py $R/ppl_decode ;;  # the gaps, t intervals
+      # the gate and TOVA again, recording what each cache holds at the end -> $R/ppl_decode_held
+      decode_held)
+         d=(--checkpoint runs/cpt_kvzap/gated --mode cache --step 1 --context 1024
+            --continuation 512 --windows 8 --docs 200 --batch-size 8 --dtype bfloat16
+            --no-progress --out $R/ppl_decode_held)
+         kvgate eval ppl "${d[@]}" --policies local_gate
+         kvgate eval ppl "${d[@]}" --policies tova --budgets 0.52 ;;
       # which families qualify: the full cache on the other families, 8 examples at 1k
       # (niah_single_3 also at 2k / 4k) -> $R/ruler/screen
       screen)
@@ -553,8 +578,14 @@ print(round(1 - next(v for k, v in r.items() if '|local_gate|' in k)['evict_pct'
            cpt_long=$R/ruler/powered_cpt_long cpt_long=$R/ruler/powered_cpt_long_4k \
            cpt_oracle=$R/ruler/powered_cpt_oracle cpt_oracle=$R/ruler/powered_cpt_oracle_4k \
            cpt_kvzap=$R/ruler/powered_cpt_kvzap cpt_kvzap=$R/ruler/powered_cpt_kvzap_4k \
-           kvzip=$R/ruler/powered_kvzip kvzip=$R/ruler/powered_kvzip_4k ;;
-      *) echo "powered: PART must be heuristics, kvzip, cpt_long, cpt_recipe, cpt_oracle, cpt_kvzap, decode, screen, agree or table" >&2
+           kvzip=$R/ruler/powered_kvzip kvzip=$R/ruler/powered_kvzip_4k
+         # the sweep at 2k: 25 / 50 / 75% eviction
+         python experiments/summarize_sweep.py $R/ruler/powered kvzip=$R/ruler/powered_kvzip \
+           cpt_kvzap=$R/ruler/powered_cpt_kvzap cpt_oracle=$R/ruler/powered_cpt_oracle \
+           cpt_long=$R/ruler/powered_cpt_long --length 2048 \
+           $(for g in cpt_kvzap:local_gate cpt_oracle:attention_gate cpt_long:attention_gate; do
+               echo --place ${g%%:*}:e25=0.75 --place $g=0.5 --place ${g%%:*}:e75=0.25; done) ;;
+      *) echo "powered: PART must be heuristics, kvzip, sweep, cpt_long, cpt_recipe, cpt_oracle, cpt_kvzap, decode, decode_held, screen, agree or table" >&2
          exit 2 ;;
     esac ;;
   ruler)  # PART: issue #34's long-context table (docs/RESULTS.md section 3), the question
