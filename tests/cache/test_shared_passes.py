@@ -11,7 +11,7 @@ from inference.engine_toys import char_tokenizer
 from kvgate.cache import CacheError, CompressedCache
 from kvgate.cache.shared_passes import SharedPasses, share_group
 from kvgate.inference import Engine
-from kvgate.inference.compress import compress_rows_shared, prefill_rows
+from kvgate.inference.compress import compress_rows_shared, compress_shared, prefill_rows
 from kvgate.policies import Budget, KVzip, PolicyError, get_policy
 
 CHUNK = 16
@@ -87,6 +87,12 @@ def test_a_split_cache_answers_like_its_own(model):
         q = [[5, 6, 7]]
         assert answer_rows(engine, shared[n], q, 6) == answer_rows(engine, alone, q, 6), n
         assert shared[n].kept_fraction == pytest.approx(alone.kept_fraction)
+    # contexts as text, through the chat-less char tokenizer: the same caches as compress
+    text = "".join(chr(c) for c in rows()[1])
+    by_text, _ = compress_shared(Engine(model, tok, "full", 1.0), text, want)
+    for n, (policy, budget) in want.items():
+        alone = Engine(model, tok, policy, budget).compress(text)
+        _same(by_text[n].cache, alone.cache)
 
 
 def test_groups_and_refusals(model):
