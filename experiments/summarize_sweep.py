@@ -11,7 +11,8 @@ Folders as in ``summarize_paired.py`` (NAME=DIR prefixes its policies with NAME)
 row (a gate at a dialled threshold) has no budget of its own: ``--place ROW=BUDGET`` puts it in
 that budget's column (its %Evict is printed beside it); other budget-free rows but ``full``
 are left out. Scores are the mean over families with a 95% interval (bootstrap within each
-family) and n; gaps are paired on the examples both rows hold (``kvgate.eval.paired``).
+family) and n; gaps are paired on the examples both rows hold (``kvgate.eval.paired``), to
+the best heuristic at that budget and, with ``--ref ROW``, to that row.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ def main(argv=None):
     ap.add_argument("--budgets", default="0.75,0.5,0.25")
     ap.add_argument("--place", action="append", default=[], metavar="ROW=BUDGET")
     ap.add_argument("--heuristics", default=",".join(HEURISTICS))
+    ap.add_argument("--ref", default=None, help="a row: each row's paired gap to it too")
     args = ap.parse_args(argv)
     families, n = args.tasks.split(","), args.length
     heur = set(args.heuristics.split(","))
@@ -63,19 +65,22 @@ def main(argv=None):
         avgs = {r: a for r, a in avgs.items() if a}
         best[b] = max(avgs, key=lambda r: avgs[r]["mean"]) if avgs else None
     print(f"length {n}, families {', '.join(families)}\n")
+    ref = f" | vs {args.ref}" if args.ref else ""
     print("| policy | " + " | ".join(f"{100 * (1 - b):.0f}% evicted: score [95% CI] (n), %Evict "
-                                      f"| vs best heuristic" for b in budgets) + " |")
-    print("|---|" + "---|---|" * len(budgets))
+                                      f"| vs best heuristic{ref}" for b in budgets) + " |")
+    print("|---|" + ("---|---|---|" if ref else "---|---|") * len(budgets))
     for r in rows:
         parts = []
         for b in budgets:
             a = average(cols[b], r, families, n)
             if a is None:
-                parts += ["", ""]
+                parts += ["", "", ""] if ref else ["", ""]
                 continue
             parts += [f"{a['mean']:.1f} [{a['lo']:.1f}, {a['hi']:.1f}] ({a['n']}), "
                       f"{a['evict']:.0f}",
                       gap(paired(cols[b], r, best[b], families, n)) if best[b] else "-"]
+            if ref:
+                parts.append(gap(paired(cols[b], r, args.ref, families, n)))
         if any(parts):
             print(f"| {r} | " + " | ".join(parts) + " |")
     print("\nbest single heuristic: " + ", ".join(
