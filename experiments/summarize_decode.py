@@ -1,5 +1,6 @@
-"""Decode-time eviction (docs/RESULTS.md section 2): each policy's perplexity and the gate's
-per-token NLL gap to it, with a 95% t interval over the windows (the same windows for all).
+"""Decode-time eviction (docs/RESULTS.md section 2): each policy's perplexity, what its cache
+holds at the end (where recorded) and the gate's per-token NLL gap to it, with a 95% t interval
+over the windows (the same windows for all).
 
     python experiments/summarize_decode.py experiments/results/ppl_decode [--gate local_gate]
 """
@@ -21,17 +22,24 @@ def main() -> None:
     parser.add_argument("--gate", default="local_gate")
     args = parser.parse_args()
     results = json.loads((Path(args.folder) / "results.json").read_text())["results"]
-    recs = {key.split("|")[2]: r for key, r in results.items()}
+    def label(key):  # policy, with its budget where it has one (a policy may run at several)
+        _, _, policy, budget, _ = key.split("|")
+        return policy if budget == "none" else f"{policy}@{budget}"
+
+    recs = {label(key): r for key, r in results.items()}
     gate = recs[args.gate]["examples"]
 
     def nll(r):  # per token, per window
         return {u: -e["ll"][0] / e["tokens"][0] for u, e in r["examples"].items()}
 
     mine = nll(recs[args.gate])
-    print("| policy | PPL | %Evict | gate - policy, NLL per token [95% t] | windows the gate wins |")
-    print("|---|---|---|---|---|")
+    print("| policy | PPL | %Evict | held at end % | gate - policy, NLL per token [95% t] "
+          "| windows the gate wins |")
+    print("|---|---|---|---|---|---|")
     for name, r in recs.items():
-        row = f"| {name} | {r['ppl']:.3f} | {r['evict_pct']:.1f} |"
+        held = r.get("held_end_pct")
+        row = (f"| {name} | {r['ppl']:.3f} | {r['evict_pct']:.1f} | "
+               f"{'-' if held is None else f'{held:.1f}'} |")
         if name == args.gate:
             print(row + " | |")
             continue
