@@ -657,7 +657,10 @@ print(round(next(v for k, v in r.items() if '|local_gate|' in k)['held_end_pct']
          # the KVzap gate (scores while decoding too) at 4k, the issue #45 cost target
          python bench/bench_long_context.py --lengths 4096 --repeats 3 --threads 1 \
            --policies full,tova,local_gate --checkpoint runs/cpt_kvzap/gated \
-           --json $R/bench_long_context/kvzap_4k.json ;;
+           --json $R/bench_long_context/kvzap_4k.json
+         # KVzip's prefill + repeat pass against the full cache, every length
+         python bench/bench_long_context.py --lengths 1024,2048,4096 --repeats 2 --threads 1 \
+           --policies full,tova,kvzip --json $R/bench_long_context/kvzip.json ;;
       *) echo "ruler: PART must be a, b, c, d or bench" >&2; exit 2 ;;
     esac
     extra=(); [ -f $R/ruler/abl_long_norope/results.json ] && extra=(long_norope=$R/ruler/abl_long_norope)
