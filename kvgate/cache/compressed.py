@@ -210,28 +210,21 @@ class CompressedCache(HandlerCache):
 
     def full_bytes(self) -> int:
         """Bytes a dense cache would hold for the tokens seen: B x H_kv x seen x 2 x d."""
-        total = 0
-        for layer in self.layers:
-            if layer.store is not None:
-                s = layer.store
-                elem = torch.empty((), dtype=s.dtype).element_size()
-                total += s.batch * s.kv_heads * layer.seen * 2 * s.head_dim * elem
-        return total
+        return sum(s.batch * s.kv_heads * layer.seen * 2 * s.head_dim
+                   * torch.empty((), dtype=s.dtype).element_size()
+                   for layer in self.layers if (s := layer.store) is not None)
 
     def stats_bytes(self) -> int:
         """Bytes of the policy's per-slot decode statistics (padded, not part of K/V)."""
         return sum(t.numel() * t.element_size() for layer in self.layers
                    for t in layer.stats.values())
 
-    # ----------------------------------------------------------------- extra passes
-
     def new_pass_scores(self, store: RaggedStore) -> Tensor:
-        """A layer's running scores before a ``PassScoring`` policy's passes: zeros
-        ``[B, H_kv, T]`` (``SharedPasses`` keeps one row of them per scorer)."""
+        """Zero running scores ``[B, H_kv, T]`` before the passes (SharedPasses: per scorer)."""
         return torch.zeros(store.batch, store.kv_heads, store.base_len, device=store.device)
 
     def score_pass(self, part: PassAttention) -> Tensor:
-        """The scores one block of pass rows gives, shaped like ``new_pass_scores``."""
+        """One block of pass rows' scores, shaped like ``new_pass_scores``."""
         return self.policy.pass_scores(part).float()
 
     # ----------------------------------------------------------------- attention
