@@ -535,7 +535,13 @@ case "${1:-all}" in
            kvgate eval ruler --checkpoint runs/$gate/gated "${pw[@]}" --lengths 2048 --limit 24 \
              --policies e25=$pol,e75=$pol --policy-opt e25.tau=$t25 --policy-opt e75.tau=$t75 \
              --out $R/ruler/powered_$gate
-         done ;;
+         done
+         # 4k, a first look at 12 a family: the heuristics and the KVzap gate
+         kvgate eval ruler --model smollm2-135m "${pw[@]}" "${h[@]}" --lengths 4096 --limit 12 \
+           --out $R/ruler/powered_4k
+         kvgate eval ruler --checkpoint runs/cpt_kvzap/gated "${pw[@]}" --lengths 4096 --limit 12 \
+           --policies e25=local_gate,e75=local_gate --policy-opt e25.tau=0.24 \
+           --policy-opt e75.tau=0.82 --out $R/ruler/powered_cpt_kvzap_4k ;;
       # decode-time eviction: 8 windows of 1,024 context tokens, the next 512 scored one token
       # per forward (--step 1) while the cache evicts; the KVzap gate (threshold + 128-token
       # window), then H2O, TOVA and StreamingLLM holding the share it kept -> $R/ppl_decode
@@ -586,7 +592,10 @@ print(round(next(v for k, v in r.items() if '|local_gate|' in k)['held_end_pct']
            cpt_oracle=$R/ruler/powered_cpt_oracle cpt_oracle=$R/ruler/powered_cpt_oracle_4k \
            cpt_kvzap=$R/ruler/powered_cpt_kvzap cpt_kvzap=$R/ruler/powered_cpt_kvzap_4k \
            kvzip=$R/ruler/powered_kvzip kvzip=$R/ruler/powered_kvzip_4k
-         # the sweep at 2k: 25 / 50 / 75% eviction
+         python experiments/summarize_sweep.py $R/ruler/powered_4k kvzip=$R/ruler/powered_kvzip_4k \
+           cpt_kvzap=$R/ruler/powered_cpt_kvzap_4k --length 4096 --place cpt_kvzap:e25=0.75 \
+           --place cpt_kvzap:local_gate=0.5 --place cpt_kvzap:e75=0.25
+         # the sweep at 2k (and 1k: --length 1024): 25 / 50 / 75% eviction
          python experiments/summarize_sweep.py $R/ruler/powered kvzip=$R/ruler/powered_kvzip \
            cpt_kvzap=$R/ruler/powered_cpt_kvzap cpt_oracle=$R/ruler/powered_cpt_oracle \
            cpt_long=$R/ruler/powered_cpt_long --length 2048 \
