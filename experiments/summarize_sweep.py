@@ -23,7 +23,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from summarize_paired import HEURISTICS, average, gap, load, paired  # noqa: E402
+from summarize_paired import HEURISTICS, average, gap, load, paired
 
 
 def main(argv=None):
