@@ -76,9 +76,8 @@ def main(argv=None):
             if a is None:
                 parts += ["", "", ""] if ref else ["", ""]
                 continue
-            parts += [f"{a['mean']:.1f} [{a['lo']:.1f}, {a['hi']:.1f}] ({a['n']}), "
-                      f"{a['evict']:.0f}",
-                      gap(paired(cols[b], r, best[b], families, n)) if best[b] else "-"]
+            score = f"{a['mean']:.1f} [{a['lo']:.1f}, {a['hi']:.1f}] ({a['n']}), {a['evict']:.0f}"
+            parts += [score, gap(paired(cols[b], r, best[b], families, n)) if best[b] else "-"]
             if ref:
                 parts.append(gap(paired(cols[b], r, args.ref, families, n)))
         if any(parts):
