@@ -505,8 +505,8 @@ case "${1:-all}" in
          kvgate eval ruler "${g[@]}" --lengths 2048 --limit 48 --out $R/ruler/powered_$2
          kvgate eval ruler "${g[@]}" --lengths 4096 --limit 48 --out "$four"
          kvgate eval ruler "${g[@]}" --lengths 1024 --limit 48 --out $R/ruler/powered_$2 ;;
-      # KVzip and KVzip+, per head and ranked globally, at 25 / 50 / 75% eviction (2k, 24 a
-      # family: one prefill and one repeat pass per example serve all twelve, SharedPasses),
+      # KVzip and KVzip+, per head and ranked globally, at 25 / 50 / 75% eviction (2k and 1k, 24
+      # a family: one prefill and one repeat pass per example serve all twelve, SharedPasses),
       # beside the full cache on the heuristics' examples; plain KVzip ranked globally at 4k
       # (8 a family, ~2 min an example) -> $R/ruler/powered_kvzip and $R/ruler/powered_kvzip_4k
       kvzip)
@@ -514,14 +514,16 @@ case "${1:-all}" in
              --budgets 0.75,0.5,0.25 --paired full
              --policy-opt kvzip_g.allocation=global --policy-opt kvzipp_g.allocation=global
              --policy-opt kvzipp_g.plus=true --policy-opt kvzipp.plus=true)
-         kvgate eval ruler --model smollm2-135m "${pw[@]}" "${kz[@]}" --lengths 2048 --limit 24 \
-           --out $R/ruler/powered_kvzip
+         for n in 2048 1024; do
+           kvgate eval ruler --model smollm2-135m "${pw[@]}" "${kz[@]}" --lengths $n --limit 24 \
+             --out $R/ruler/powered_kvzip
+         done
          kz4=(--policies full,kvzip_g=kvzip --policy-opt kvzip_g.allocation=global --budgets 0.5
               --paired full)
          kvgate eval ruler --model smollm2-135m "${pw[@]}" "${kz4[@]}" --lengths 4096 --limit 8 \
            --out $R/ruler/powered_kvzip_4k ;;
       # the sweep, 25 and 75% eviction at 1k / 2k: the heuristics (48 a family) and the gates at
-      # a dialled threshold (2k, 24 a family; tau calibrated on 4 contexts at 2k: e25 / e75)
+      # a dialled threshold (2k and 1k, 24 a family; tau calibrated on 4 contexts at 2k: e25 / e75)
       sweep)
          h=(--policies full,streaming,tova,snapkv,knorm,tova_g=tova --policy-opt tova_g.allocation=global
             --budgets 0.75,0.25 --paired full)
@@ -532,9 +534,11 @@ case "${1:-all}" in
          for g in cpt_kvzap:local_gate:0.24:0.82 cpt_oracle:attention_gate:0.18:0.76 \
                   cpt_long:attention_gate:0.23:0.67; do
            IFS=: read -r gate pol t25 t75 <<< "$g"
-           kvgate eval ruler --checkpoint runs/$gate/gated "${pw[@]}" --lengths 2048 --limit 24 \
-             --policies e25=$pol,e75=$pol --policy-opt e25.tau=$t25 --policy-opt e75.tau=$t75 \
-             --out $R/ruler/powered_$gate
+           for n in 2048 1024; do
+             kvgate eval ruler --checkpoint runs/$gate/gated "${pw[@]}" --lengths $n --limit 24 \
+               --policies e25=$pol,e75=$pol --policy-opt e25.tau=$t25 --policy-opt e75.tau=$t75 \
+               --out $R/ruler/powered_$gate
+           done
          done
          # 4k, a first look at 12 a family: the heuristics and the KVzap gate
          kvgate eval ruler --model smollm2-135m "${pw[@]}" "${h[@]}" --lengths 4096 --limit 12 \
