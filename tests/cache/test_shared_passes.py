@@ -11,7 +11,12 @@ from inference.engine_toys import char_tokenizer
 from kvgate.cache import CacheError, CompressedCache
 from kvgate.cache.shared_passes import SharedPasses, share_group
 from kvgate.inference import Engine
-from kvgate.inference.compress import compress_rows_shared, compress_shared, prefill_rows
+from kvgate.inference.compress import (
+    answer_rows,
+    compress_rows_shared,
+    compress_shared,
+    prefill_rows,
+)
 from kvgate.policies import Budget, KVzip, PolicyError, get_policy
 
 CHUNK = 16
@@ -79,8 +84,6 @@ def test_a_split_cache_answers_like_its_own(model):
     names = ("kvzip_g@0.25", "kvzipp@0.5")
     want = {n: VARIANTS[n] for n in names}
     shared, _ = compress_rows_shared(Engine(model, tok, "full", 1.0), [rows()[0]], want)
-    from kvgate.inference.compress import answer_rows
-
     for n, (policy, budget) in want.items():
         engine = Engine(model, tok, policy, budget)
         alone = prefill_rows(engine, [rows()[0]], engine.new_cache())[0]
