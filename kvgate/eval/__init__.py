@@ -22,6 +22,9 @@
   ``MatchedConfig``, ``NeedleConfig``, ``PPLConfig``, ``RulerConfig``, ``LongBenchConfig``,
   ``PatternConfig``, ``ReportConfig``), checked on creation; its fields are its flags
   (:mod:`.options`);
+- :mod:`.calibrate`: ``kvgate eval calibrate``, a gate's threshold per length for target
+  eviction shares (its config, contexts and table; the search is
+  :mod:`kvgate.inference.calibrate`);
 - :mod:`.registry`: command name -> config (``COMMANDS``), ``run_eval``;
 - :mod:`.commands`: each command as a function of its config (``run_mc(cfg)``, ...);
 - :mod:`.flags`: the command line written from the registry.

@@ -25,6 +25,8 @@ Examples:
     kvgate eval longbench --model smollm2-135m --tasks hotpotqa,trec,lcc --limit 20 \\
         --max-length 7500 --policies full,snapkv --budgets 0.5 --out out/lb
     kvgate eval pattern --checkpoint runs/cpt/export --tasks boolq --samples 3 --out out/x
+    kvgate eval calibrate --checkpoint runs/cpt_kvzap/gated --policies local_gate \\
+        --evict 0.25,0.5,0.75 --lengths 1024,4096 --out out/cal   # a gate's tau per length
     kvgate eval report --out out/x
 
 Every run appends to ``OUT/results.json`` (resumable: finished keys and examples are skipped)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from kvgate.eval.calibrate import CalibrateConfig
 from kvgate.eval.config import MatchedConfig, MCConfig, PatternConfig, ReportConfig
 from kvgate.eval.config_long import LongBenchConfig, NeedleConfig, PPLConfig, RulerConfig
 from kvgate.eval.errors import EvalError
@@ -23,6 +24,7 @@ COMMANDS: dict[str, type] = {
     "longbench": LongBenchConfig,
     "pattern": PatternConfig,
     "report": ReportConfig,
+    "calibrate": CalibrateConfig,
 }
 
 

@@ -1,0 +1,100 @@
+"""``kvgate eval calibrate`` end to end on a tiny gated LLaMA: the table and files it writes,
+the thresholds it prints reproduce their shares, and bad settings are one line before loading."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import build, tiny_llama_config
+from eval_fakes import cli
+
+import kvgate
+import kvgate.eval.commands
+from kvgate.eval.ruler.tasks import generate
+from kvgate.gate import GateConfig, gate_modules
+from kvgate.inference.calibrate import evicted_share
+from kvgate.policies import get_policy
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "inference"))
+from engine_toys import char_tokenizer
+
+BASE = ["eval", "calibrate", "--checkpoint", "c", "--policies", "local_gate,lg2=local_gate",
+        "--policy-opt", "local_gate.window=4", "--policy-opt", "lg2.window=32",
+        "--lengths", "300,360", "--tasks", "niah_single_1,niah_single_2", "--limit", "1",
+        "--evict", "0.3,0.6", "--tol", "0.05", "--max-runs", "12", "--no-progress"]
+
+
+@pytest.fixture(scope="module")
+def gated():
+    model = build(tiny_llama_config(max_position_embeddings=640))
+    kvgate.patch(model, GateConfig(kind="mlp", hidden=16, gamma=0.0))
+    torch.manual_seed(1)
+    with torch.no_grad():  # a fresh local gate keeps everything: spread its scores
+        for gate in gate_modules(model):
+            gate.down.weight.normal_(0.0, 1.0)
+    return model
+
+
+@pytest.fixture
+def tiny(monkeypatch, gated):
+    monkeypatch.setattr(kvgate.eval.commands, "load_model",
+                        lambda cfg: (gated, char_tokenizer(), {"model": "tiny",
+                                                               "checkpoint": "c"}))
+    return gated
+
+
+def test_calibrate_writes_each_threshold_and_its_share(capsys, tiny, tmp_path):
+    code, out, err = cli(capsys, *BASE, "--out", str(tmp_path / "c"))
+    assert code == 0, err
+    saved = json.loads((tmp_path / "c" / "calibration.json").read_text())
+    assert saved["meta"]["model"] == "tiny" and saved["settings"]["seed"] == 1000
+    fits = saved["fits"]
+    assert [(f["policy"], f["length"], f["target"]) for f in fits] == [
+        (p, n, t) for n in (300, 360) for p in ("local_gate", "lg2") for t in (0.3, 0.6)]
+    tok = char_tokenizer()
+    for f in fits:
+        assert f["contexts"] == 2
+        # the held-out haystacks (seed 1000 on) of both tasks, compressed again at that tau
+        texts = [generate(t, tok, f["length"], seed=1000).context
+                 for t in ("niah_single_1", "niah_single_2")]
+        window = 4 if f["policy"] == "local_gate" else 32
+        policy = get_policy("local_gate", window=window, tau=f["tau"])
+        assert evicted_share(tiny, tok, policy, texts) == pytest.approx(f["evicted"])
+        assert f["reached"] == (abs(f["evicted"] - f["target"]) <= 0.05)
+        assert f"--policy-opt {f['policy']}.tau={f['tau']:.4f}" in out
+    # a wider recent window keeps more, so it needs a higher threshold for the same share
+    by = {(f["policy"], f["length"], f["target"]): f["tau"] for f in fits}
+    assert by[("lg2", 360, 0.3)] > by[("local_gate", 360, 0.3)]
+    assert (tmp_path / "c" / "calibration.md").read_text().startswith("| policy | length |")
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--evict", "0.5,1.2"], "--evict: each target must lie in (0, 1)"),
+    (["--policies", "snapkv"], "--policies snapkv: policy snapkv has no threshold"),
+    (["--policies", "all"], "name the gate policies"),
+    (["--tasks", "nope"], "unknown RULER task 'nope'"),
+    (["--tol", "0"], "--tol must lie in (0, 1)"),
+])
+def test_bad_settings_are_one_line_before_loading(capsys, monkeypatch, tmp_path, args, message):
+    def refuse(cfg):
+        raise AssertionError("the model must not load when the arguments are wrong")
+
+    monkeypatch.setattr(kvgate.eval.commands, "load_model", refuse)
+    code, _, err = cli(capsys, "eval", "calibrate", "--checkpoint", "c", "--out",
+                       str(tmp_path / "x"), *args)
+    assert code == 2 and err.startswith("error: ") and err.count("\n") == 1
+    assert message in err
+
+
+def test_a_base_model_has_no_gate_to_calibrate(capsys, monkeypatch, tmp_path):
+    model = build(tiny_llama_config(max_position_embeddings=640))
+    monkeypatch.setattr(kvgate.eval.commands, "load_model",
+                        lambda cfg: (model, char_tokenizer(), {"model": "tiny"}))
+    code, _, err = cli(capsys, "eval", "calibrate", "--model", "x", "--lengths", "300",
+                       "--out", str(tmp_path / "b"))
+    assert code == 2 and "needs a gated model" in err
+    assert not (tmp_path / "b" / "calibration.json").exists()
