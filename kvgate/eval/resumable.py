@@ -46,17 +46,9 @@ def run_resumable(store: ResultStore, key: str, items: Sequence[Any],
     one stored with other settings or an example scored on other tokens
     (:mod:`kvgate.eval.identity`).
     """
-    # as it reads back from the file, so a stored spec compares equal
-    spec = None if policy is None else json.loads(json.dumps(policy_spec(policy)))
-    store.check_spec(key, spec)
-    done = store.examples(key)
-    digests = {it.uid: input_digest(it) for it in items}
-    check_inputs(store.path, key, done, digests)
+    done, digests, extra = _opened(store, key, items, extra, policy)
     if store.is_complete(key) and all(it.uid in done for it in items):
         return store.results[key]
-    extra = dict(extra or {})
-    if spec is not None:
-        extra["spec"] = spec
     todo = sorted((it for it in items if it.uid not in done), key=lambda it: -item_size(it))
     batches = [todo[i: i + batch_size] for i in range(0, len(todo), max(1, batch_size))]
     for batch in tqdm(batches, desc=key, disable=not progress, leave=False):
@@ -67,6 +59,38 @@ def run_resumable(store: ResultStore, key: str, items: Sequence[Any],
     final = {uid: r for uid, r in done.items() if uid in wanted}
     store.put(key, {**extra, **summarise(final)}, final, complete=True)
     return store.results[key]
+
+
+def add_records(store: ResultStore, key: str, scored: Sequence[tuple[Any, dict[str, Any]]],
+                summarise: Callable[[Mapping[str, Any]], dict[str, Any]],
+                extra: Mapping[str, Any] | None = None, policy: Policy | None = None) -> None:
+    """Store records of ``key`` scored ahead of its own turn (``scored``: (item, record)),
+    checked as :func:`run_resumable` checks its own and kept partial until that turn.
+
+    Work one forward does for many keys (a shared prefill, a shared repeat pass) is saved
+    as soon as it is done, so a kill loses none of it and the key's turn skips it.
+    """
+    done, digests, extra = _opened(store, key, [it for it, _ in scored], extra, policy)
+    for it, rec in scored:
+        done[it.uid] = {**rec, "input": digests[it.uid]}
+    store.put(key, {**extra, **summarise(done)}, done, complete=False)
+
+
+def _opened(store: ResultStore, key: str, items: Sequence[Any],
+            extra: Mapping[str, Any] | None, policy: Policy | None,
+            ) -> tuple[dict[str, Any], dict[str, str], dict[str, Any]]:
+    """(stored records, input digests of ``items``, extra with the policy's spec) of ``key``
+    after refusing a stored spec, setting or example that differs."""
+    # as it reads back from the file, so a stored spec compares equal
+    spec = None if policy is None else json.loads(json.dumps(policy_spec(policy)))
+    store.check_spec(key, spec)
+    done = store.examples(key)
+    digests = {it.uid: input_digest(it) for it in items}
+    check_inputs(store.path, key, done, digests)
+    extra = dict(extra or {})
+    if spec is not None:
+        extra["spec"] = spec
+    return done, digests, extra
 
 
 def item_size(item: Any) -> int:

@@ -32,7 +32,7 @@ from kvgate.eval.asked import Asked, Question, ask_agnostic, ask_query_aware, as
 from kvgate.eval.config_long import check_scores
 from kvgate.eval.intervals import mean_interval
 from kvgate.eval.report import ResultStore, budget_label, make_key
-from kvgate.eval.resumable import evict_summary, run_resumable
+from kvgate.eval.resumable import add_records, evict_summary, run_resumable
 from kvgate.eval.teacher import answer_tokens
 from kvgate.policies.base import Budget, Policy
 
@@ -172,22 +172,25 @@ def _run_cell(model: nn.Module, tokenizer: Any, bench: QABenchmark, cell: Cell,
     # question-agnostic one-shot policies share each example's prefill (SharedPrefill), and
     # PassScoring ones reading the same passes share the prefill and the passes
     # (SharedPasses): the first key of a group that needs an example scores it for every key
-    # of the group still lacking it
+    # of the group still lacking it, and stores the others' records at once (a kill loses
+    # none; their own turn skips them)
     group = {key: share_group(policy) for key, policy, _ in jobs}
     shared = {key: (policy, fixed) for key, policy, fixed in jobs
               if not query_aware and group[key] is not None}
-    pending: dict[str, dict[str, Record]] = {}  # uid -> key -> record
 
     def run_shared(batch: list[QAItem], key: str) -> list[Record]:
+        out = []
         for it in batch:
-            if key not in pending.get(it.uid, {}):
-                want = {k: v for k, v in shared.items() if group[k] == group[key]
-                        and (k == key or it.uid not in store.examples(k))}
-                asked = ask_shared(model, tokenizer, it.context, it.question, want, scores)
-                pending.setdefault(it.uid, {}).update(
-                    {k: {**record(bench, it, a), "shared_prefill": len(want)}
-                     for k, a in asked.items()})
-        return [pending[it.uid].pop(key) for it in batch]
+            want = {k: v for k, v in shared.items() if group[k] == group[key]
+                    and (k == key or it.uid not in store.examples(k))}
+            asked = ask_shared(model, tokenizer, it.context, it.question, want, scores)
+            recs = {k: {**record(bench, it, a), "shared_prefill": len(want)}
+                    for k, a in asked.items()}
+            for k, rec in recs.items():
+                if k != key:
+                    add_records(store, k, [(it, rec)], summary, extra, shared[k][0])
+            out.append(recs[key])
+        return out
 
     for key, policy, fixed in jobs:
         def run(batch: list[QAItem], key=key, policy=policy, fixed=fixed) -> list[Record]:

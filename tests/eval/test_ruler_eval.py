@@ -210,6 +210,45 @@ def test_one_shot_policies_share_each_examples_prefill(capsys, tiny, tmp_path, m
         f"ruler|niah_single_1@300|tova|{b}|agnostic" for b in ("0.5", "0.25"))] * 2
 
 
+def test_a_run_killed_mid_group_keeps_every_record_its_shared_prefills_made(
+        capsys, tiny, tmp_path, monkeypatch):
+    """The first key of a shared group stores every key's record of an example as soon as
+    that example is scored: killed at its second example, the run leaves the first one stored
+    under all three keys, and the rerun scores only the second."""
+    import json
+
+    from kvgate.eval import runner
+    from kvgate.eval.report import ResultStore
+
+    monkeypatch.setattr(ResultStore.__init__, "__defaults__", (0.0, None))  # write every put
+    calls, kill = [], [True]
+    real = runner.ask_shared
+
+    def ask(m, t, ctx, q, want, scores):
+        if calls and kill[0]:
+            raise RuntimeError("killed")
+        calls.append(sorted(want))
+        return real(m, t, ctx, q, want, scores)
+
+    monkeypatch.setattr(runner, "ask_shared", ask)
+    argv = ["eval", "ruler", "--model", "x", "--tasks", "niah_single_1", "--lengths", "300",
+            "--limit", "2", "--max-new-tokens", "4", "--no-progress", "--budgets", "0.5",
+            "--policies", "full,snapkv,h2o", "--out", str(tmp_path / "k")]
+    with pytest.raises(RuntimeError, match="killed"):
+        cli(capsys, *argv)
+    stored = json.loads((tmp_path / "k" / "results.json").read_text())["results"]
+    assert len(stored) == 3 and all(len(r["examples"]) == 1 and not r["complete"]
+                                    for r in stored.values())
+    first = {next(iter(r["examples"])) for r in stored.values()}
+    assert len(first) == 1 and len(calls) == 1
+    kill[0] = False
+    code, _, err = cli(capsys, *argv)
+    assert code == 0, err
+    assert len(calls) == 2 and calls[1] == calls[0]  # the second example only, for all three
+    res = results(tmp_path / "k")
+    assert all(r["complete"] and len(r["examples"]) == 2 for r in res.values())
+
+
 @pytest.mark.parametrize("flags", [[], ["--query-aware"]])
 def test_kvzip_runs_its_repeat_pass_in_ruler(capsys, tiny, tmp_path, flags):
     """KVzip (its own prefill, then the repeat pass) and KVzip+ ranked globally, asked after
