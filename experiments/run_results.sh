@@ -506,9 +506,9 @@ case "${1:-all}" in
          kvgate eval ruler "${g[@]}" --lengths 4096 --limit 48 --out "$four"
          kvgate eval ruler "${g[@]}" --lengths 1024 --limit 48 --out $R/ruler/powered_$2 ;;
       # KVzip and KVzip+, per head and ranked globally, at 25 / 50 / 75% eviction (2k and 1k, 24
-      # a family: one prefill and one repeat pass per example serve all twelve, SharedPasses),
-      # beside the full cache on the heuristics' examples; plain KVzip ranked globally at 4k
-      # (8 a family, ~2 min an example) -> $R/ruler/powered_kvzip and $R/ruler/powered_kvzip_4k
+      # a family; 4k, 16 a family, ~3 min an example: one prefill and one repeat pass per
+      # example serve all twelve, SharedPasses), beside the full cache on the heuristics'
+      # examples -> $R/ruler/powered_kvzip and $R/ruler/powered_kvzip_4k
       kvzip)
          kz=(--policies full,kvzip,kvzip_g=kvzip,kvzipp=kvzip,kvzipp_g=kvzip
              --budgets 0.75,0.5,0.25 --paired full
@@ -518,10 +518,17 @@ case "${1:-all}" in
            kvgate eval ruler --model smollm2-135m "${pw[@]}" "${kz[@]}" --lengths $n --limit 24 \
              --out $R/ruler/powered_kvzip
          done
-         kz4=(--policies full,kvzip_g=kvzip --policy-opt kvzip_g.allocation=global --budgets 0.5
-              --paired full)
-         kvgate eval ruler --model smollm2-135m "${pw[@]}" "${kz4[@]}" --lengths 4096 --limit 8 \
+         kvgate eval ruler --model smollm2-135m "${pw[@]}" "${kz[@]}" --lengths 4096 --limit 16 \
            --out $R/ruler/powered_kvzip_4k ;;
+      # each gate's tau for 25 / 50 / 75% eviction at 1k / 2k / 4k, found on 4 held-out
+      # haystacks of the two families (seeds 1000-1001) -> $R/calibration/GATE
+      calibrate)
+         for g in cpt_kvzap:local_gate cpt_oracle:attention_gate cpt_long:attention_gate; do
+           kvgate eval calibrate --checkpoint runs/${g%%:*}/gated --policies ${g#*:} \
+             --dtype bfloat16 --tasks niah_single_1,niah_single_2 --limit 2 \
+             --lengths 4096,1024,2048 --evict 0.25,0.5,0.75 --no-progress \
+             --out $R/calibration/${g%%:*}
+         done ;;
       # the sweep, 25 and 75% eviction at 1k / 2k: the heuristics (48 a family) and the gates at
       # a dialled threshold (2k and 1k, 24 a family; tau calibrated on 4 contexts at 2k: e25 / e75)
       sweep)
@@ -540,12 +547,30 @@ case "${1:-all}" in
                --out $R/ruler/powered_$gate
            done
          done
-         # 4k, a first look at 12 a family: the heuristics and the KVzap gate
-         kvgate eval ruler --model smollm2-135m "${pw[@]}" "${h[@]}" --lengths 4096 --limit 12 \
+         # 4k: the heuristics at 24 a family; the gates at the 2k threshold (KVzap, 12 a family:
+         # e25 / e75) and at the one calibrated at 4k (`calibrate` first: c25 / c75; the KVzap
+         # gate 24 a family, the others 12); at 1k the gates' calibrated 75% (c75, 24 a family)
+         kvgate eval ruler --model smollm2-135m "${pw[@]}" "${h[@]}" --lengths 4096 --limit 24 \
            --out $R/ruler/powered_4k
          kvgate eval ruler --checkpoint runs/cpt_kvzap/gated "${pw[@]}" --lengths 4096 --limit 12 \
            --policies e25=local_gate,e75=local_gate --policy-opt e25.tau=0.24 \
-           --policy-opt e75.tau=0.82 --out $R/ruler/powered_cpt_kvzap_4k ;;
+           --policy-opt e75.tau=0.82 --out $R/ruler/powered_cpt_kvzap_4k
+         tau() {  # GATE LENGTH TARGET -> its calibrated tau
+           python -c "import json; f=json.load(open('$R/calibration/$1/calibration.json'))['fits']; \
+print(round(next(x['tau'] for x in f if x['length'] == $2 and x['target'] == $3), 4))"
+         }
+         for g in cpt_kvzap:local_gate:24 cpt_oracle:attention_gate:12 \
+                  cpt_long:attention_gate:12; do
+           IFS=: read -r gate pol lim <<< "$g"
+           kvgate eval ruler --checkpoint runs/$gate/gated "${pw[@]}" --lengths 4096 \
+             --limit $lim --policies c25=$pol,c75=$pol --policy-opt c25.tau=$(tau $gate 4096 0.25) \
+             --policy-opt c75.tau=$(tau $gate 4096 0.75) --out $R/ruler/powered_${gate}_4k
+         done
+         for g in cpt_kvzap:local_gate cpt_oracle:attention_gate cpt_long:attention_gate; do
+           kvgate eval ruler --checkpoint runs/${g%%:*}/gated "${pw[@]}" --lengths 1024 \
+             --limit 24 --policies c75=${g#*:} --policy-opt c75.tau=$(tau ${g%%:*} 1024 0.75) \
+             --out $R/ruler/powered_${g%%:*}
+         done ;;
       # decode-time eviction: 8 windows of 1,024 context tokens, the next 512 scored one token
       # per forward (--step 1) while the cache evicts; the KVzap gate (threshold + 128-token
       # window), then H2O, TOVA and StreamingLLM holding the share it kept -> $R/ppl_decode
