@@ -589,14 +589,15 @@ print(round(1 - next(v for k, v in r.items() if '|local_gate|' in k)['evict_pct'
       # generated tokens above its threshold: it ends holding more than its prefill share),
       # then H2O, TOVA and StreamingLLM holding what the gate holds at the end -> $R/ppl_decode_held
       decode_held)
-         d=(--checkpoint runs/cpt_kvzap/gated --mode cache --step 1 --context 1024
-            --continuation 512 --windows 8 --docs 200 --batch-size 8 --dtype bfloat16
+         ctx=1024; cont=512
+         d=(--checkpoint runs/cpt_kvzap/gated --mode cache --step 1 --context $ctx
+            --continuation $cont --windows 8 --docs 200 --batch-size 8 --dtype bfloat16
             --no-progress --out $R/ppl_decode_held)
          kvgate eval ppl "${d[@]}" --policies local_gate
          kvgate eval ppl "${d[@]}" --policies tova --budgets 0.52
-         # the gate's entries at the end over the context's: held_end_pct x (1,024 + 512) / 1,024
+         # the gate's entries at the end over the context's: held_end_pct x (ctx + cont) / ctx
          end=$(python -c "import json; r=json.load(open('$R/ppl_decode_held/results.json'))['results']; \
-print(round(next(v for k, v in r.items() if '|local_gate|' in k)['held_end_pct'] * 1.5 / 100, 2))")
+print(round(next(v for k, v in r.items() if '|local_gate|' in k)['held_end_pct'] * ($ctx + $cont) / $ctx / 100, 2))")
          kvgate eval ppl "${d[@]}" --policies tova,h2o,streaming --budgets "$end"
          python experiments/summarize_decode.py $R/ppl_decode_held ;;
       # which families qualify: the full cache on the other families, 8 examples at 1k

@@ -105,7 +105,7 @@ class CompressedCache(HandlerCache):
             config = model_or_config.config
         else:
             config = model_or_config
-        config = _text_config(config)
+        self.model_config = config = _text_config(config)  # forks and variants are built on it
         try:
             self.num_layers = int(config.num_hidden_layers)
             heads = int(config.num_attention_heads)

@@ -74,8 +74,7 @@ class SharedPrefill(CompressedCache):
             if isinstance(policy, PassScoring):
                 raise PolicyError(f"{name}: policy {policy.name!r} chooses after extra passes "
                                   "over its own cache, so it cannot share a prefill")
-        config = model_or_config.config if isinstance(model_or_config, nn.Module) else model_or_config
-        self.caches = {name: CompressedCache(config, policy, budget)
+        self.caches = {name: CompressedCache(self.model_config, policy, budget)
                        for name, (policy, budget) in variants.items()}
         self.seconds = dict.fromkeys(self.caches, 0.0)
 

@@ -67,8 +67,6 @@ class SharedPasses(CompressedCache):
                               f"keys {sorted(map(str, keys))}")
         lead = next(iter(variants.values()))[0]
         super().__init__(model_or_config, lead, Budget(ratio=1.0))
-        config = model_or_config.config if isinstance(model_or_config, nn.Module) else model_or_config
-        self._config = config
         self.variants = {name: (policy, Budget.parse(budget))
                          for name, (policy, budget) in variants.items()}
         self.scorers: dict[Hashable, PassScoring] = {}
@@ -95,7 +93,7 @@ class SharedPasses(CompressedCache):
             sync_device(device)
             t0 = time.perf_counter()
             row = self._row[policy.scorer_key()]
-            cache = CompressedCache(self._config, policy, budget)
+            cache = CompressedCache(self.model_config, policy, budget)
             cache.layers = []
             for layer in self.layers:  # a loop over layers
                 twin = fork_layer(layer)
