@@ -100,6 +100,20 @@ def tiny_qwen3_config(**overrides):
     })
 
 
+def patch_evicting(model, kind: str = "mlp", **config) -> None:
+    """Patch a local gate ``kind`` (mlp or linear) whose output weights are drawn large enough
+    that about half the entries fall below tau (a fresh local gate keeps everything)."""
+    import kvgate
+    from kvgate.gate import GateConfig, gate_modules
+
+    kvgate.patch(model, GateConfig(kind=kind, hidden=16, gamma=0.0, **config))
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for gate in gate_modules(model):
+            out = gate.down if kind == "mlp" else gate.proj
+            out.weight.normal_(0.0, 1.0 if kind == "mlp" else 0.5)
+
+
 def build_causal_lm(config) -> torch.nn.Module:
     """Like ``build`` for any family transformers knows (Qwen2, Qwen3, ...): seeded, with the
     same scaled-up weights; biases and norm weights are randomised too so they matter."""

@@ -8,14 +8,12 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
-from conftest import build, tiny_llama_config
+from conftest import build, patch_evicting, tiny_llama_config
 from eval_fakes import cli
 
 import kvgate
 import kvgate.eval.commands
 from kvgate.eval.ruler.tasks import generate
-from kvgate.gate import GateConfig, gate_modules
 from kvgate.inference.calibrate import evicted_share
 from kvgate.policies import get_policy
 
@@ -31,11 +29,7 @@ BASE = ["eval", "calibrate", "--checkpoint", "c", "--policies", "local_gate,lg2=
 @pytest.fixture(scope="module")
 def gated():
     model = build(tiny_llama_config(max_position_embeddings=640))
-    kvgate.patch(model, GateConfig(kind="mlp", hidden=16, gamma=0.0))
-    torch.manual_seed(1)
-    with torch.no_grad():  # a fresh local gate keeps everything: spread its scores
-        for gate in gate_modules(model):
-            gate.down.weight.normal_(0.0, 1.0)
+    patch_evicting(model)
     return model
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import build, tiny_llama_config
+from conftest import build, patch_evicting, tiny_llama_config
 
 import kvgate
 from kvgate.cache import CompressedCache
@@ -32,17 +32,6 @@ def _inputs(b=2, n=14, seed=0):
     mask = torch.ones_like(ids)
     mask[0, :4] = 0  # left padding
     return ids, mask, (mask.cumsum(-1) - 1).clamp(min=0)
-
-
-def _evicting(model, kind: str, **config) -> None:
-    """Patch ``kind`` with output weights drawn large enough that about half the entries fall
-    below tau (a fresh local gate keeps everything)."""
-    kvgate.patch(model, GateConfig(kind=kind, hidden=16, gamma=0.0, **config))
-    torch.manual_seed(1)
-    with torch.no_grad():
-        for gate in gate_modules(model):
-            out = gate.down if kind == "mlp" else gate.proj
-            out.weight.normal_(0.0, 1.0 if kind == "mlp" else 0.5)
 
 
 def test_the_registry_names_every_kind_the_config_accepts():
@@ -81,7 +70,7 @@ def test_wide_open_gates_give_the_base_logits(kind):
         assert retention_stats(model)["retention"].item() == 1.0
         torch.testing.assert_close(got[real], ref[real], atol=1e-5, rtol=0)
         if kind in LOCAL:
-            _evicting(model, kind)
+            patch_evicting(model, kind)
         else:
             kvgate.patch(model, GateConfig(gamma=0.0))
         model(ids, attention_mask=mask, position_ids=pos)
@@ -95,7 +84,7 @@ def test_wide_open_gates_give_the_base_logits(kind):
 def test_local_kinds_score_each_token_alone(kind):
     """A local gate's score of a token does not move when the tokens before it change."""
     model = build(tiny_llama_config())
-    _evicting(model, kind)
+    patch_evicting(model, kind)
     gate = gate_modules(model)[0]
     hidden = torch.randn(1, 6, 64)
     other = hidden.clone()
@@ -126,7 +115,7 @@ def test_local_gate_decoding_holds_the_cache_at_threshold_plus_window(kind, pref
     probability is above tau plus the last ``window`` tokens, generated tokens included (each
     scored from its own hidden state, recorded here as the forward ran)."""
     model = build(tiny_llama_config())
-    _evicting(model, kind)
+    patch_evicting(model, kind)
     window, steps = 3, 6
     ids, mask, pos = _inputs(n=12)
     real = mask.bool()
@@ -170,7 +159,7 @@ def test_local_gate_prefill_equals_feeding_the_prompt_token_by_token(kind, extra
     the previous layer's input, per-query-head gates and ungated layers."""
     model = build(tiny_llama_config())
     window = 3
-    _evicting(model, kind, recent=window + 1, **extra)
+    patch_evicting(model, kind, recent=window + 1, **extra)
     ids = torch.randint(1, 128, (1, 12), generator=torch.Generator().manual_seed(3))
 
     def cache():
@@ -209,7 +198,7 @@ def test_attention_gate_policy_runs_a_local_gate_and_keeps_generated_tokens(kind
     """The one-shot policy serves every kind: it thresholds the prompt and keeps every
     generated token (held entries only grow while decoding)."""
     model = build(tiny_llama_config())
-    _evicting(model, kind)
+    patch_evicting(model, kind)
     ids, mask, _ = _inputs()
     cache = CompressedCache(model, get_policy("attention_gate"), 1.0)
     out = model.generate(ids, attention_mask=mask, max_new_tokens=4, min_new_tokens=4,

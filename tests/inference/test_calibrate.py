@@ -5,12 +5,9 @@ it reports when the context is compressed again."""
 from __future__ import annotations
 
 import pytest
-import torch
-from conftest import build, tiny_llama_config
+from conftest import build, patch_evicting, tiny_llama_config
 from engine_toys import char_tokenizer
 
-import kvgate
-from kvgate.gate import GateConfig, gate_modules
 from kvgate.inference.calibrate import calibrate, evicted_share, fit_taus, with_tau
 from kvgate.policies import PolicyError, get_policy
 
@@ -59,11 +56,7 @@ def test_only_a_policy_with_a_threshold_can_be_calibrated():
 @pytest.fixture(scope="module")
 def gated():
     model = build(tiny_llama_config(max_position_embeddings=640))
-    kvgate.patch(model, GateConfig(kind="mlp", hidden=16, gamma=0.0))
-    torch.manual_seed(1)
-    with torch.no_grad():  # a fresh local gate keeps everything: spread its scores
-        for gate in gate_modules(model):
-            gate.down.weight.normal_(0.0, 1.0)
+    patch_evicting(model)
     return model
 
 
