@@ -175,3 +175,27 @@ def test_off_cuda_without_the_interpreter_the_kernel_is_refused_by_name(monkeypa
     with pytest.raises(RuntimeError, match="triton attention kernel runs on CUDA"):
         gated_attention(q, k, v, gate, kernel="triton")
     assert GateConfig(kernel="triton").kernel == "triton"
+
+
+@pytest.mark.parametrize("n,nq,recent,padded", [(70, 70, 5, True), (70, 30, 0, False)])
+def test_the_benchmarked_variant_kernels_give_the_chunked_results(n, nq, recent, padded):
+    """bench/triton_split_tiles.py (the kernel set ``bench_kernel --triton`` times beside the
+    package's) through the same launcher: output and four gradients equal the chunked ones."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+    from triton_split_tiles import KERNELS
+
+    q, k, v, gate, allowed = _case(n, nq, per_query_head=False, seed=3)
+    if not padded:  # the plain causal mask: the kernels read no mask vectors
+        allowed = torch.ones_like(allowed).tril(n - nq)
+    want = _run("chunked", q, k, v, gate, allowed, recent)
+    q, k, v = (t.clone().requires_grad_(True) for t in (q, k, v))
+    g = gate.clone().requires_grad_(True)
+    out = triton_kernel.triton_gated_attention(q, k, v, g, allowed, recent=recent,
+                                               kernels=KERNELS)
+    weights = torch.randn(out.shape, generator=torch.Generator().manual_seed(1))
+    (out.float() * weights).sum().backward()
+    got = (out.detach(), q.grad, k.grad, v.grad, g.grad)
+    _assert_same(got, want, atol=1e-5, rtol=1e-4)
