@@ -121,8 +121,8 @@ want triton && {
   step "pytest -m gpu -k triton" timeout 120 env KVGATE_TRITON_AUTOTUNE=0 $py -m pytest -m gpu \
     tests/gpu -q -p no:cacheprovider -k triton --durations=5 2>&1 | tee "$out/pytest_triton.log"
   # the kernel alone against SDPA flash, on each kernel's first tile config (an autotuned pass
-  # needs ~100 s per head width first)
-  step "bench_kernel --triton (first tile configs)" timeout 120 env KVGATE_TRITON_AUTOTUNE=0 \
+  # needs ~100 s per head width first), the package's set beside bench/triton_split_tiles.py's
+  step "bench_kernel --triton (first tile configs)" timeout 180 env KVGATE_TRITON_AUTOTUNE=0 \
     $py bench/bench_kernel.py --device cuda --triton --repeats 10 \
     --shapes 1,32,32,2048,128 1,32,32,4096,128 1,9,3,2048,64 1,9,3,4096,64
 } 2>&1 | grep --line-buffered -v "it/s\]" | tee "$out/bench_kernel.log"
@@ -196,7 +196,7 @@ want triton && {
     --pair materialised --device cuda --base "$big" --dtype bfloat16 --files "$docs" --batch 1 \
     --steps 3 --triton --precision bf16-mixed --seq-len 2048 4096
   # last, as the deadline allows: the autotuned kernels (tile configs printed)
-  step "bench_kernel --triton autotuned" timeout 150 $py bench/bench_kernel.py --device cuda \
+  step "bench_kernel --triton autotuned" timeout 240 $py bench/bench_kernel.py --device cuda \
     --triton --repeats 10 --shapes 1,32,32,4096,128 1,9,3,2048,64
 } 2>&1 | grep --line-buffered -v "it/s\]" | tee "$out/bench_triton.log"
 
