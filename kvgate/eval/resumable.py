@@ -67,8 +67,9 @@ def add_records(store: ResultStore, key: str, scored: Sequence[tuple[Any, dict[s
     """Store records of ``key`` scored ahead of its own turn (``scored``: (item, record)),
     checked as :func:`run_resumable` checks its own and kept partial until that turn.
 
-    Work one forward does for many keys (a shared prefill, a shared repeat pass) is saved
-    as soon as it is done, so a kill loses none of it and the key's turn skips it.
+    Work one forward does for many keys (a shared prefill, a shared repeat pass) is stored
+    as soon as it is done (on disk with the store's next write, as a key's own batches are),
+    so a kill loses no more of it than of a key's own work, and the key's turn skips it.
     """
     done, digests, extra = _opened(store, key, [it for it, _ in scored], extra, policy)
     for it, rec in scored:

@@ -173,7 +173,7 @@ def _run_cell(model: nn.Module, tokenizer: Any, bench: QABenchmark, cell: Cell,
     # PassScoring ones reading the same passes share the prefill and the passes
     # (SharedPasses): the first key of a group that needs an example scores it for every key
     # of the group still lacking it, and stores the others' records at once (a kill loses
-    # none; their own turn skips them)
+    # only what the store had not written yet; their own turn skips them)
     group = {key: share_group(policy) for key, policy, _ in jobs}
     shared = {key: (policy, fixed) for key, policy, fixed in jobs
               if not query_aware and group[key] is not None}
