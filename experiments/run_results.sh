@@ -519,6 +519,10 @@ case "${1:-all}" in
              --out $R/ruler/powered_kvzip
          done
          kvgate eval ruler --model smollm2-135m "${pw[@]}" "${kz[@]}" --lengths 4096 --limit 16 \
+           --out $R/ruler/powered_kvzip_4k
+         # KVzip global at 50% (the #45 target's cell) at 24 a family
+         kvgate eval ruler --model smollm2-135m "${pw[@]}" --policies kvzip_g=kvzip \
+           --policy-opt kvzip_g.allocation=global --budgets 0.5 --lengths 4096 --limit 24 \
            --out $R/ruler/powered_kvzip_4k ;;
       # each gate's tau for 25 / 50 / 75% eviction at 1k / 2k / 4k, found on 4 held-out
       # haystacks of the two families (seeds 1000-1001) -> $R/calibration/GATE
@@ -622,9 +626,13 @@ print(round(next(v for k, v in r.items() if '|local_gate|' in k)['held_end_pct']
            cpt_oracle=$R/ruler/powered_cpt_oracle cpt_oracle=$R/ruler/powered_cpt_oracle_4k \
            cpt_kvzap=$R/ruler/powered_cpt_kvzap cpt_kvzap=$R/ruler/powered_cpt_kvzap_4k \
            kvzip=$R/ruler/powered_kvzip kvzip=$R/ruler/powered_kvzip_4k
+         # the sweep at 4k, the gates at their calibrated thresholds (c25 / c75)
          python experiments/summarize_sweep.py $R/ruler/powered_4k kvzip=$R/ruler/powered_kvzip_4k \
-           cpt_kvzap=$R/ruler/powered_cpt_kvzap_4k --length 4096 --place cpt_kvzap:e25=0.75 \
-           --place cpt_kvzap:local_gate=0.5 --place cpt_kvzap:e75=0.25
+           cpt_kvzap=$R/ruler/powered_cpt_kvzap_4k cpt_oracle=$R/ruler/powered_cpt_oracle_4k \
+           cpt_long=$R/ruler/powered_cpt_long cpt_long=$R/ruler/powered_cpt_long_4k --length 4096 \
+           $(for g in cpt_kvzap:local_gate cpt_oracle:attention_gate cpt_long:attention_gate; do
+               echo --place ${g%%:*}:c25=0.75 --place $g=0.5 --place ${g%%:*}:c75=0.25; done) \
+           --ref kvzip:kvzip_g
          # the sweep at 2k (and 1k: --length 1024): 25 / 50 / 75% eviction
          python experiments/summarize_sweep.py $R/ruler/powered kvzip=$R/ruler/powered_kvzip \
            cpt_kvzap=$R/ruler/powered_cpt_kvzap cpt_oracle=$R/ruler/powered_cpt_oracle \
