@@ -208,13 +208,15 @@ def test_a_signal_stops_at_a_step_with_a_checkpoint_that_resumes_to_the_same_run
                                     "init_args": {"step": 1, "signum": int(signum)}},
                            tmp_path / "killed.yaml")
     run = tmp_path / "run"
+    # what the test process had (a shell's background job starts with SIGINT ignored)
+    handlers = [signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)]
     assert main(["--config", str(killed), "--run_dir", str(run)]) == status
     stopped = run / "checkpoints" / "stopped.ckpt"
     lines = capsys.readouterr().err.strip().splitlines()
     assert lines[-1] == f"stopped at step 2; resume with --ckpt_path last (checkpoint {stopped})"
     assert torch.load(stopped, weights_only=True)["global_step"] == 2
     assert sidecar_path(stopped).is_file() and not (run / "gated").exists()  # nothing exported
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # handlers put back
+    assert [signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)] == handlers  # put back
     if signum != signal.SIGTERM:
         return
     assert main(["--config", str(config), "--run_dir", str(run), "--ckpt_path", "last"]) == 0
