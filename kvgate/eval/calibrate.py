@@ -16,7 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvgate.eval.config import EvalConfig, _at_least, _items, parse_numbers
+from kvgate.eval.config import EvalConfig, _at_least, parse_numbers
+from kvgate.eval.config_long import parse_ruler_tasks
 from kvgate.eval.errors import EvalError
 from kvgate.eval.options import opt
 from kvgate.policies.base import PolicyError
@@ -42,8 +43,6 @@ class CalibrateConfig(EvalConfig):
     chat: bool = opt(True, "plain prompts even when the tokenizer has a chat template")
 
     def __post_init__(self) -> None:
-        from kvgate.eval.ruler.tasks import TASKS
-
         super().__post_init__()
         self.evict = parse_numbers(self.evict, "evict", float)
         for e in self.evict:
@@ -52,10 +51,7 @@ class CalibrateConfig(EvalConfig):
         self.lengths = parse_numbers(self.lengths, "lengths", int)
         for n in self.lengths:
             _at_least(n, "--lengths", 16)
-        self.tasks = _items(self.tasks)
-        for t in self.tasks:
-            if t not in TASKS:
-                raise EvalError(f"--tasks: unknown RULER task {t!r}; known: {', '.join(TASKS)}")
+        self.tasks = parse_ruler_tasks(self.tasks, allow_all=False)
         _at_least(self.limit, "--limit")
         _at_least(self.max_runs, "--max-runs")
         if not 0.0 < self.tol < 1.0:
@@ -87,18 +83,12 @@ class CalibrationOutput:
         return calibration_markdown(self.rows)
 
 
-def contexts(cfg: CalibrateConfig, tokenizer: Any, length: int) -> list[str]:
-    """The calibration contexts of one length."""
-    if cfg.text_files:
-        from kvgate.data import load_text_files
-
-        out = []
-        for text in load_text_files(cfg.text_files):
-            ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-            if len(ids) >= length:
-                out.append(tokenizer.decode(ids[:length]))
-            if len(out) == cfg.limit:
-                break
+def contexts(cfg: CalibrateConfig, tokenizer: Any, length: int,
+             rows: list[list[int]] | None = None) -> list[str]:
+    """The calibration contexts of one length: from ``rows`` (the ``--text-files`` texts,
+    tokenised once) or generated."""
+    if rows is not None:
+        out = [tokenizer.decode(ids[:length]) for ids in rows if len(ids) >= length][:cfg.limit]
         if not out:
             raise EvalError(f"--text-files: no text has {length:,} tokens; use shorter --lengths")
         return out
@@ -110,22 +100,19 @@ def contexts(cfg: CalibrateConfig, tokenizer: Any, length: int) -> list[str]:
 
 def run_calibrate(cfg: CalibrateConfig, load: Any = None) -> CalibrationOutput:
     from kvgate.data.cache import write_atomic, write_json_atomic
-    from kvgate.eval import commands
-    from kvgate.gate import gate_modules
+    from kvgate.eval.commands import load_checked
     from kvgate.inference.calibrate import calibrate
-    from kvgate.models.limits import quiet_length_warning
 
-    model, tokenizer, meta = (load or commands.load_model)(cfg)
-    quiet_length_warning(tokenizer)
-    policies = cfg.build_policies()
-    gates = gate_modules(model)
-    for policy in policies.values():
-        refusal = commands.gate_refusal(policy, gates)
-        if refusal is not None:
-            raise EvalError(refusal)
+    model, tokenizer, policies, meta = load_checked(cfg, load, cfg.build_policies())
+    tokenised = None
+    if cfg.text_files:
+        from kvgate.data import load_text_files
+
+        tokenised = [tokenizer(text, add_special_tokens=False)["input_ids"]
+                     for text in load_text_files(cfg.text_files)]
     rows = []
     for length in cfg.lengths:
-        texts = contexts(cfg, tokenizer, length)
+        texts = contexts(cfg, tokenizer, length, tokenised)
         for label, policy in policies.items():
             fits = calibrate(model, tokenizer, policy, texts, cfg.evict, cfg.tol, cfg.max_runs,
                              cfg.chat)

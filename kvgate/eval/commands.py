@@ -117,10 +117,11 @@ def gate_refusal(policy: Policy, gates: list[Any]) -> str | None:
     return None
 
 
-def _loaded(cfg: EvalConfig, load: Loader | None,
-            policies: dict[str, Policy]) -> tuple[Any, Any, dict[str, Policy], ResultStore]:
-    """Load the model, drop from ``all`` the learned gates it cannot run (every one on a base
-    model), check that a gate policy has the gate it needs, open the store."""
+def load_checked(cfg: EvalConfig, load: Loader | None, policies: dict[str, Policy],
+                 ) -> tuple[Any, Any, dict[str, Policy], dict[str, Any]]:
+    """(model, tokenizer, policies, store meta): load the model, drop from ``all`` the learned
+    gates it cannot run (every one on a base model), check that a gate policy has the gate it
+    needs."""
     from kvgate.gate import gate_modules
     from kvgate.models.limits import quiet_length_warning
 
@@ -134,6 +135,13 @@ def _loaded(cfg: EvalConfig, load: Loader | None,
         refusal = gate_refusal(policy, gates)
         if refusal is not None:
             raise EvalError(refusal)
+    return model, tokenizer, policies, meta
+
+
+def _loaded(cfg: EvalConfig, load: Loader | None,
+            policies: dict[str, Policy]) -> tuple[Any, Any, dict[str, Policy], ResultStore]:
+    """:func:`load_checked`, then open the store."""
+    model, tokenizer, policies, meta = load_checked(cfg, load, policies)
     return model, tokenizer, policies, ResultStore(Path(cfg.out), meta, settings=cfg.settings())
 
 

@@ -63,6 +63,21 @@ def check_qa(cfg: Any) -> None:
                         f"({', '.join(labels)})")
 
 
+def parse_ruler_tasks(raw: str | Sequence[str], allow_all: bool = True) -> list[str]:
+    """``--tasks`` of the RULER families (``all``: the 13 of kvgate.eval.ruler.TASKS)."""
+    from kvgate.eval.ruler.tasks import TASKS
+
+    tasks = _items(raw)
+    if allow_all and tasks == ["all"]:
+        return list(TASKS)
+    if not tasks:
+        raise EvalError("--tasks: give at least one task" + (", or all" if allow_all else ""))
+    for t in tasks:
+        if t not in TASKS:
+            raise EvalError(f"--tasks: unknown RULER task {t!r}; known: {', '.join(TASKS)}")
+    return tasks
+
+
 @dataclass
 class CorpusConfig(EvalConfig):
     """Scoring commands over corpus texts."""
@@ -207,15 +222,8 @@ class RulerConfig(EvalConfig):
     paired: str | None = paired_opt()
 
     def __post_init__(self) -> None:
-        from kvgate.eval.ruler.tasks import TASKS
-
         super().__post_init__()
-        self.tasks = list(TASKS) if _items(self.tasks) == ["all"] else _items(self.tasks)
-        if not self.tasks:
-            raise EvalError("--tasks: give at least one task, or all")
-        for t in self.tasks:
-            if t not in TASKS:
-                raise EvalError(f"--tasks: unknown RULER task {t!r}; known: {', '.join(TASKS)}")
+        self.tasks = parse_ruler_tasks(self.tasks)
         self.budgets = parse_budgets(self.budgets)
         self.lengths = parse_numbers(self.lengths, "lengths", int)
         self.depths = parse_numbers(self.depths, "depths", float)

@@ -92,3 +92,23 @@ def test_a_base_model_has_no_gate_to_calibrate(capsys, monkeypatch, tmp_path):
                        "--out", str(tmp_path / "b"))
     assert code == 2 and "needs a gated model" in err
     assert not (tmp_path / "b" / "calibration.json").exists()
+
+
+def test_text_files_give_each_texts_first_tokens_and_a_length_none_has_is_one_line(
+        capsys, tiny, tmp_path):
+    texts = tmp_path / "texts.jsonl"
+    long_text = "the cat sat on the mat and looked at the door for a while. " * 8
+    texts.write_text(json.dumps({"text": long_text}) + "\n" + json.dumps({"text": "short"}) + "\n")
+    argv = ["eval", "calibrate", "--checkpoint", "c", "--policies", "local_gate",
+            "--policy-opt", "local_gate.window=4", "--evict", "0.5", "--tol", "0.05",
+            "--text-files", str(texts), "--no-progress"]
+    code, _, err = cli(capsys, *argv, "--lengths", "300", "--out", str(tmp_path / "t"))
+    assert code == 0, err
+    (fit,) = json.loads((tmp_path / "t" / "calibration.json").read_text())["fits"]
+    assert fit["contexts"] == 1  # the short text has no 300 tokens
+    tok = char_tokenizer()
+    policy = get_policy("local_gate", window=4, tau=fit["tau"])
+    assert evicted_share(tiny, tok, policy, [long_text[:300]]) == pytest.approx(fit["evicted"])
+    code, _, err = cli(capsys, *argv, "--lengths", "600", "--out", str(tmp_path / "u"))
+    assert code == 2 and "no text has 600 tokens" in err and err.count("\n") == 1
+    assert not (tmp_path / "u" / "calibration.json").exists()
