@@ -633,12 +633,15 @@ print(round(next(v for k, v in r.items() if '|local_gate|' in k)['held_end_pct']
            $(for g in cpt_kvzap:local_gate cpt_oracle:attention_gate cpt_long:attention_gate; do
                echo --place ${g%%:*}:c25=0.75 --place $g=0.5 --place ${g%%:*}:c75=0.25; done) \
            --ref kvzip:kvzip_g
-         # the sweep at 2k (and 1k: --length 1024): 25 / 50 / 75% eviction
-         python experiments/summarize_sweep.py $R/ruler/powered kvzip=$R/ruler/powered_kvzip \
-           cpt_kvzap=$R/ruler/powered_cpt_kvzap cpt_oracle=$R/ruler/powered_cpt_oracle \
-           cpt_long=$R/ruler/powered_cpt_long --length 2048 \
-           $(for g in cpt_kvzap:local_gate cpt_oracle:attention_gate cpt_long:attention_gate; do
-               echo --place ${g%%:*}:e25=0.75 --place $g=0.5 --place ${g%%:*}:e75=0.25; done) ;;
+         # the sweep at 2k and 1k: 25 / 50 / 75% eviction (at 1k also the calibrated 75%: c75)
+         for n in 2048 1024; do
+           python experiments/summarize_sweep.py $R/ruler/powered kvzip=$R/ruler/powered_kvzip \
+             cpt_kvzap=$R/ruler/powered_cpt_kvzap cpt_oracle=$R/ruler/powered_cpt_oracle \
+             cpt_long=$R/ruler/powered_cpt_long --length $n --ref kvzip:kvzip_g \
+             $(for g in cpt_kvzap:local_gate cpt_oracle:attention_gate cpt_long:attention_gate; do
+                 echo --place ${g%%:*}:e25=0.75 --place $g=0.5 --place ${g%%:*}:e75=0.25 \
+                   --place ${g%%:*}:c75=0.25; done)
+         done ;;
       *) echo "powered: PART must be heuristics, kvzip, sweep, cpt_long, cpt_recipe, cpt_oracle, cpt_kvzap, decode, decode_held, screen, agree or table" >&2
          exit 2 ;;
     esac ;;
