@@ -25,6 +25,13 @@ contiguous run of keys (causal, left padding and a sliding window all do) it is 
 two int32 vectors (first and last allowed key per row) and key tiles outside every row's run
 are skipped; any other mask is read per tile as int8.
 
+Operands are read in place through their strides (only the head dimension's must be 1): the
+attention layers hand q, k and v as [B, H, n, d] views of [B, n, H, d] projections, and a copy of
+each, of the output and of dO would add a pass over memory per tensor and layer beside a kernel
+that reads each once per tile row. The output is written in the layers' [B, n, H, d] layout (their
+transpose back is then free), the gradients in their inputs' layouts, and the backward's row term
+``D_j = dO_j . o_j`` is one more small kernel (``_row_dot``) instead of fp32 copies of both.
+
 Operands enter the tiles in their own dtype (bf16 / fp16 on tensor cores, fp32 exactly:
 ``input_precision="ieee"``); softmax statistics and every accumulation are fp32. On the CPU the
 kernels run only under Triton's interpreter (``TRITON_INTERPRET=1``, set before this module is
@@ -44,7 +51,7 @@ from kvgate.attention.gated import EXP_CLAMP
 from kvgate.attention.triton_tiles import triton
 
 if triton is not None:
-    from kvgate.attention.triton_tiles import _backward_kv, _backward_q, _forward
+    from kvgate.attention.triton_tiles import _backward_kv, _backward_q, _forward, _row_dot
 
 
 class TileKernels(NamedTuple):
@@ -87,6 +94,9 @@ _CANDIDATES = {
 }
 # under the interpreter (tests): small tiles, so several tiles and their edges are exercised
 _INTERPRETER_TILES = (16, 16, 4, 1)
+# rows per program of the row-term kernel (one load of each operand, no loop): on CUDA a tile
+# that keeps BLOCK_D-wide fp32 rows in registers; under the interpreter the tests' tile
+_ROW_TILE = {"cuda": (64, 4), "interpreter": (16, 1)}
 _TUNE_KEY = ["D", "MASK_MODE", "HAS_PROMPT", "PRECISION"]
 
 
@@ -147,18 +157,24 @@ def _mask_vectors(allowed: Tensor | None, n: int, device: torch.device):
     return _MASK_DENSE, dummy, dummy, rows.to(torch.int8).contiguous()
 
 
+def _in_place(t: Tensor) -> Tensor:
+    """``t`` as the kernels can read it: itself when its head dimension is contiguous (any
+    other strides are passed to the kernels), else a contiguous copy."""
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
 class _Problem:
-    """Everything the three kernels share for one call: contiguous operands, the keep flags
-    as int8, the mask vectors and the scalar arguments."""
+    """Everything the three kernels share for one call: the operands as they came (see
+    ``_in_place``), the keep flags as int8, the mask vectors and the scalar arguments."""
 
     def __init__(self, q, k, v, gate, allowed, prompt, scaling, recent, kernels=None):
         self.kernels = kernels or default_kernels()
         self.b, self.h, self.nq, self.d = q.shape
         self.hk, self.n = k.shape[1], k.shape[2]
-        self.q = q.contiguous()
+        self.q = _in_place(q)
         # one dtype for the tiles: k and v enter as the queries do
-        self.k = k.to(q.dtype).contiguous()
-        self.v = v.to(q.dtype).contiguous()
+        self.k = _in_place(k.to(q.dtype))
+        self.v = _in_place(v.to(q.dtype))
         self.keep = (gate.detach() > 0.5).to(torch.int8).contiguous()
         self.keep_group = self.h // gate.shape[1]
         self.group = self.h // self.hk
@@ -195,7 +211,9 @@ class _Problem:
 
 
 def _forward_call(pb: _Problem) -> tuple[Tensor, Tensor]:
-    out = torch.empty_like(pb.q)
+    # [B, H, nq, d] over [B, nq, H, d] memory: the layer's transpose back is a view
+    out = torch.empty(pb.b, pb.nq, pb.h, pb.d, dtype=pb.q.dtype,
+                      device=pb.q.device).transpose(1, 2)
     lse = torch.empty(pb.b, pb.h, pb.nq, dtype=torch.float32, device=pb.q.device)
     kernel, c = pb.launch("fwd", pb.nq)
     q, k, v = pb.q, pb.k, pb.v
@@ -208,10 +226,23 @@ def _forward_call(pb: _Problem) -> tuple[Tensor, Tensor]:
     return out, lse
 
 
+def _row_term(pb: _Problem, do: Tensor, out: Tensor) -> Tensor:
+    """``D_j = dO_j . o_j`` [B, H, nq] in fp32, read from both in place."""
+    delta = torch.empty(pb.b, pb.h, pb.nq, dtype=torch.float32, device=do.device)
+    rows, warps = _ROW_TILE["cuda" if do.device.type == "cuda" else "interpreter"]
+    grid = (triton.cdiv(pb.nq, rows), pb.b * pb.h)
+    _row_dot[grid](do, out, delta, do.stride(0), do.stride(1), do.stride(2), out.stride(0),
+                   out.stride(1), out.stride(2), delta.stride(0), delta.stride(1), pb.h, pb.nq,
+                   D=pb.d, BLOCK_D=pb.block_d, BLOCK_M=rows, num_warps=warps)
+    return delta
+
+
 def _backward_call(pb: _Problem, out: Tensor, lse: Tensor, grad_out: Tensor):
     q, k, v = pb.q, pb.k, pb.v
-    do = grad_out.to(q.dtype).contiguous()
-    delta = (do.float() * out.float()).sum(-1).contiguous()  # D_j = dO_j . o_j
+    do = _in_place(grad_out.to(q.dtype))
+    delta = _row_term(pb, do, out)
+    # empty_like keeps a dense tensor's strides: each gradient in its input's layout, so the
+    # autograd ops behind the kernel (the layer's transpose and reshape) need no copy
     dq = torch.empty_like(q)
     dk = torch.empty_like(k)
     dv = torch.empty_like(v)

@@ -1,6 +1,7 @@
 """The Triton kernels of ``kvgate.attention.triton_kernel`` (read its docstring for the method):
 the forward, the key-tile backward (dk, dv, the gate gradient) and the query-tile backward (dq),
-each program one tile of one (batch, head). Loaded only where triton is installed."""
+each program one tile of one (batch, head), and the backward's row term. Every operand is read
+through its strides (the head dimension's must be 1). Loaded only where triton is installed."""
 
 from __future__ import annotations
 
@@ -69,6 +70,16 @@ if triton is not None:
         idx = pid * BLOCK + tl.arange(0, BLOCK)
         dims = tl.arange(0, BLOCK_D)
         return pid, bh // H, bh % H, idx, idx < size, dims, dims < D
+
+    @triton.jit
+    def _row_dot(A, B, OUT, s_a_b, s_a_h, s_a_m, s_b_b, s_b_h, s_b_m, s_out_b, s_out_h, H, nq,
+                 D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr):
+        """OUT[b, h, m] = A[b, h, m] . B[b, h, m] in fp32: the backward's row term
+        ``D_j = dO_j . o_j``, read from both in place (no fp32 copies of either)."""
+        _, b, h, rows, row_ok, dims, dim_ok = _program_tile(H, nq, D, BLOCK_D, BLOCK_M)
+        a = _tile(A, b, h, s_a_b, s_a_h, s_a_m, rows, row_ok, dims, dim_ok).to(tl.float32)
+        c = _tile(B, b, h, s_b_b, s_b_h, s_b_m, rows, row_ok, dims, dim_ok).to(tl.float32)
+        tl.store(OUT + b * s_out_b + h * s_out_h + rows, tl.sum(a * c, 1), mask=row_ok)
 
     @triton.jit
     def _forward(Q, K, V, KEEP, LO, HI, MASK, PROMPT, O, LSE,

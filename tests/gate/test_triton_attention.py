@@ -169,6 +169,33 @@ def test_a_gated_model_on_the_triton_kernel_gives_the_same_logits_and_gate_gradi
         torch.testing.assert_close(got_grads[name], want_grads[name], atol=1e-5, rtol=1e-3)
 
 
+def test_operands_in_the_layers_layout_are_read_in_place_and_gradients_keep_it():
+    """q, k, v as attention layers hand them ([B, H, n, d] views of [B, n, H, d] projections)
+    and dO as the layer's transpose back gives it: the kernels read them through their strides
+    (no copy), write the output in [B, n, H, d] memory (the transpose back is free), return each
+    gradient in its input's layout, and give the chunked kernel's values."""
+    q, k, v, gate, allowed = _case(40, 40, per_query_head=False, seed=3)
+    want = _run("chunked", q, k, v, gate, allowed, recent=4)
+
+    def layers_layout(t):
+        return t.transpose(1, 2).contiguous().transpose(1, 2).requires_grad_(True)
+
+    q, k, v = (layers_layout(t) for t in (q, k, v))
+    assert not q.is_contiguous()
+    g = gate.clone().requires_grad_(True)
+    out = gated_attention(q, k, v, g, allowed, recent=4, kernel="triton")
+    problem = out.grad_fn.problem
+    assert [t.data_ptr() for t in (problem.q, problem.k, problem.v)] == [
+        t.data_ptr() for t in (q, k, v)]
+    assert out.transpose(1, 2).is_contiguous()
+    weights = torch.randn(out.shape, generator=torch.Generator().manual_seed(1))
+    # dO arrives as the layer hands it back: a [B, H, n, d] view of [B, n, H, d] memory
+    (out.transpose(1, 2).contiguous().float() * weights.transpose(1, 2)).sum().backward()
+    for t in (q, k, v):
+        assert t.grad.stride() == t.stride()
+    _assert_same((out.detach(), q.grad, k.grad, v.grad, g.grad), want, atol=2e-5, rtol=1e-4)
+
+
 def test_off_cuda_without_the_interpreter_the_kernel_is_refused_by_name(monkeypatch):
     q, k, v, gate, _ = _case(20, 20, per_query_head=False)
     monkeypatch.setenv("TRITON_INTERPRET", "0")
