@@ -13,8 +13,7 @@ are checked against the materialised ones, so a faster but wrong setting fails l
 ``--flex`` adds the FlexAttention kernel twice: as training runs it (fp32 tiles) and fed bf16
 tiles (``flex_bf16``, checked to 2% of the largest reference value).
 ``--triton`` adds the Triton kernel on bf16 inputs (``triton_bf16``, as a bf16 model calls
-it), the variant under measurement (``triton_split_bf16``: ``bench/triton_split_tiles.py``,
-the same launcher) and beside them the bar they are held to: SDPA's
+it) and beside it the bar it is held to: SDPA's
 FlashAttention backend, causal, no gate, bf16 (``sdpa_flash_bf16``, not checked: it computes
 another function, and has no gate gradient).
 ``--profile`` prints the top CUDA/CPU ops of one kvgate step (torch.profiler).
@@ -34,7 +33,6 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # triton_split_tiles beside it
 
 from kvgate.attention import gated as gated_mod
 from kvgate.attention.flex import flex_gated_attention
@@ -85,20 +83,13 @@ def regimes(backward_rows: list[int], flex: bool = False, triton: bool = False) 
         # dots, a second autotuning of every kernel; its correctness is tests/gpu's)
         out["triton_bf16"] = _bf16(functools.partial(gated_attention, recent=RECENT,
                                                      kernel="triton"))
-        # the variant under measurement (bench/triton_split_tiles.py), the same launcher
-        from triton_split_tiles import KERNELS
-
-        from kvgate.attention.triton_kernel import triton_gated_attention
-
-        out["triton_split_bf16"] = _bf16(functools.partial(
-            triton_gated_attention, recent=RECENT, kernels=KERNELS))
         out["sdpa_flash_bf16"] = _bf16(_sdpa_flash)
     return out
 
 
 # regimes checked against the materialised kernel relative to the largest reference value
 # (half-precision inputs), instead of fp32's absolute tolerances
-RELATIVE = {"flex_bf16": 2e-2, "triton_bf16": 2e-2, "triton_split_bf16": 2e-2}
+RELATIVE = {"flex_bf16": 2e-2, "triton_bf16": 2e-2}
 # timed only: not the gated attention (the bar the gated kernel is held to)
 UNCHECKED = {"sdpa_flash_bf16"}
 
@@ -211,19 +202,17 @@ def main(argv: list[str] | None = None) -> dict:
             mem_txt = "" if mem is None else f", peak +{mem:.2f} GiB"
             print(f"  {name:<16} {sec * 1e3:9.2f} ms{mem_txt}  speed-up vs materialised "
                   f"{ref / sec:.2f}x")
-        for name in ("triton_bf16", "triton_split_bf16"):
-            if name in res:
-                print(f"  {name} / sdpa_flash_bf16 time: "
-                      f"{res[name][0] / res['sdpa_flash_bf16'][0]:.2f}x (target <= 1.5x)")
+        if "triton_bf16" in res:
+            print(f"  triton_bf16 / sdpa_flash_bf16 time: "
+                  f"{res['triton_bf16'][0] / res['sdpa_flash_bf16'][0]:.2f}x (target <= 1.5x)")
         if args.profile:
             profile(shape, device, fns["kvgate"] if "kvgate" in fns else next(iter(fns.values())))
         results[text] = res
     if args.triton:  # the tile configs the autotuner settled on (last shape tuned)
         from kvgate.attention import triton_kernel
 
-        for kernel, tuned in triton_kernel._TUNED.items():
-            print(f"  triton {kernel.fn.__module__}.{kernel.fn.__name__}: "
-                  f"{getattr(tuned, 'best_config', None)}")
+        for which, kernel in triton_kernel._TUNED.items():
+            print(f"  triton {which}: {getattr(kernel, 'best_config', None)}")
     return results
 
 

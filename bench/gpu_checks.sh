@@ -121,7 +121,7 @@ want triton && {
   step "pytest -m gpu -k triton" timeout 120 env KVGATE_TRITON_AUTOTUNE=0 $py -m pytest -m gpu \
     tests/gpu -q -p no:cacheprovider -k triton --durations=5 2>&1 | tee "$out/pytest_triton.log"
   # the kernel alone against SDPA flash, on each kernel's first tile config (an autotuned pass
-  # needs ~100 s per head width first), the package's set beside bench/triton_split_tiles.py's
+  # needs ~100 s per head width first)
   step "bench_kernel --triton (first tile configs)" timeout 180 env KVGATE_TRITON_AUTOTUNE=0 \
     $py bench/bench_kernel.py --device cuda --triton --repeats 10 \
     --shapes 1,32,32,2048,128 1,32,32,4096,128 1,9,3,2048,64 1,9,3,4096,64

@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import math
 import os
-from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
@@ -53,21 +52,6 @@ from kvgate.attention.triton_tiles import triton
 if triton is not None:
     from kvgate.attention.triton_tiles import _backward_kv, _backward_q, _forward, _row_dot
 
-
-class TileKernels(NamedTuple):
-    """The three kernels a launch runs ("fwd", "kv", "q": the launch signatures of
-    ``kvgate.attention.triton_tiles``) and compile-time arguments they take beyond those.
-    Another set (a variant under measurement, ``bench/triton_split_tiles.py``) is passed to
-    ``triton_gated_attention(kernels=...)``; the default is the package's."""
-
-    fwd: Any
-    kv: Any
-    q: Any
-    consts: dict
-
-
-def default_kernels() -> TileKernels:
-    return TileKernels(_forward, _backward_kv, _backward_q, {})
 
 LOG2E = 1.4426950408889634
 # the backward's clamp on P~ in the kernels' base-2 exponent units
@@ -86,10 +70,14 @@ def interpreting() -> bool:
 
 # (BLOCK_M, BLOCK_N, num_warps, num_stages) candidates per kernel on CUDA, tuned once per head
 # width and mask kind (Triton's autotuner; FlashAttention-2's usual shapes): a config that
-# does not fit the chip's shared memory is skipped by the tuner
+# does not fit the chip's shared memory is skipped by the tuner. Registers on an H100 at head
+# widths 64 and 128 (bench/triton_resources.py, triton 3.6 and 3.9): the key-tile kernel holds
+# two fp32 [BLOCK_N, d] accumulators, and at 4 warps each of its former candidates spilled at
+# 128; of these only kv's third spills (32 B, 3.9 only), never the first of a kernel, which an
+# untuned launch runs.
 _CANDIDATES = {
-    "fwd": [(128, 64, 8, 3), (128, 64, 4, 3), (64, 64, 4, 3), (128, 128, 8, 2)],
-    "kv": [(32, 64, 4, 3), (64, 64, 4, 2), (32, 128, 4, 3), (64, 128, 8, 2)],
+    "fwd": [(128, 64, 8, 3), (64, 64, 4, 3), (128, 128, 8, 2), (128, 32, 8, 3)],
+    "kv": [(32, 64, 8, 3), (16, 128, 8, 3), (32, 128, 8, 3), (16, 64, 4, 3)],
     "q": [(64, 32, 4, 3), (64, 64, 4, 2), (128, 32, 8, 3), (128, 64, 8, 2)],
 }
 # under the interpreter (tests): small tiles, so several tiles and their edges are exercised
@@ -114,17 +102,17 @@ def _fixed(tiles: tuple[int, int, int, int]) -> dict:
     return {"BLOCK_M": bm, "BLOCK_N": bn, "num_warps": warps, "num_stages": stages}
 
 
-def _launcher(which: str, device: torch.device, kernels: TileKernels):
+def _launcher(which: str, device: torch.device):
     """(kernel, tile kwargs): the autotuned kernel on CUDA, fixed small tiles elsewhere."""
-    kernel = getattr(kernels, which)
+    kernel = {"fwd": _forward, "kv": _backward_kv, "q": _backward_q}[which]
     if device.type != "cuda":
         return kernel, _fixed(_INTERPRETER_TILES)
     if os.environ.get("KVGATE_TRITON_AUTOTUNE", "1") == "0":
         # the first candidate, untuned: tests compile one config per shape instead of four
         return kernel, _fixed(_CANDIDATES[which][0])
-    if kernel not in _TUNED:  # tuned once per kernel (a second set tunes its own)
-        _TUNED[kernel] = _tuned(kernel, which)
-    return _TUNED[kernel], {}
+    if which not in _TUNED:
+        _TUNED[which] = _tuned(kernel, which)
+    return _TUNED[which], {}
 
 
 def _mask_vectors(allowed: Tensor | None, n: int, device: torch.device):
@@ -167,8 +155,7 @@ class _Problem:
     """Everything the three kernels share for one call: the operands as they came (see
     ``_in_place``), the keep flags as int8, the mask vectors and the scalar arguments."""
 
-    def __init__(self, q, k, v, gate, allowed, prompt, scaling, recent, kernels=None):
-        self.kernels = kernels or default_kernels()
+    def __init__(self, q, k, v, gate, allowed, prompt, scaling, recent):
         self.b, self.h, self.nq, self.d = q.shape
         self.hk, self.n = k.shape[1], k.shape[2]
         self.q = _in_place(q)
@@ -197,7 +184,7 @@ class _Problem:
     def launch(self, which: str, rows: int):
         """The kernel ``which`` ready to call on a grid of ``rows`` (tiles of BLOCK_M if
         "M", else of BLOCK_N) x ``heads``, with its compile-time arguments."""
-        kernel, tiles = _launcher(which, self.q.device, self.kernels)
+        kernel, tiles = _launcher(which, self.q.device)
         heads = self.b * (self.hk if which == "kv" else self.h)
         tile = "BLOCK_N" if which == "kv" else "BLOCK_M"
 
@@ -205,8 +192,7 @@ class _Problem:
             return (triton.cdiv(rows, meta[tile]), heads)
 
         consts = {"D": self.d, "BLOCK_D": self.block_d, "MASK_MODE": self.mode,
-                  "HAS_PROMPT": self.has_prompt, "PRECISION": self.precision,
-                  **self.kernels.consts, **tiles}
+                  "HAS_PROMPT": self.has_prompt, "PRECISION": self.precision, **tiles}
         return kernel[grid], consts
 
 
@@ -289,12 +275,10 @@ class _TritonGatedAttention(torch.autograd.Function):
 
 def triton_gated_attention(q: Tensor, k: Tensor, v: Tensor, gate: Tensor,
                            allowed: Tensor | None = None, scaling: float | None = None,
-                           recent: int = 0, prompt: Tensor | None = None,
-                           kernels: TileKernels | None = None) -> Tensor:
+                           recent: int = 0, prompt: Tensor | None = None) -> Tensor:
     """``kvgate.attention.gated.gated_attention`` on the Triton kernels (same arguments, already
     validated there; ``allowed`` bool [B, 1, n_q, n] or None). Returns [B, H, n_q, d] in q's
-    dtype; the tiles take q's dtype (fp32, bf16 or fp16), statistics stay fp32. ``kernels``:
-    another set of the three kernels (``TileKernels``; default the package's)."""
+    dtype; the tiles take q's dtype (fp32, bf16 or fp16), statistics stay fp32."""
     if triton is None:
         raise RuntimeError("the triton attention kernel needs the triton package "
                            "(pip install 'kvgate[triton]'); use kernel 'chunked'")
@@ -305,7 +289,7 @@ def triton_gated_attention(q: Tensor, k: Tensor, v: Tensor, gate: Tensor,
         raise RuntimeError(f"the triton attention kernel takes fp32, bf16 or fp16, not {q.dtype}")
     scaling = 1.0 / math.sqrt(q.shape[-1]) if scaling is None else float(scaling)
     problem = _Problem(q.detach(), k.detach(), v.detach(), gate, allowed, prompt, scaling,
-                       recent, kernels)
+                       recent)
     if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, gate)):
         return _TritonGatedAttention.apply(q, k, v, gate, problem)
     return _forward_call(problem)[0]

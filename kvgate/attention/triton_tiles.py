@@ -160,19 +160,21 @@ if triton is not None:
                 lse = tl.load(LSE + b * s_lse_b + h * s_lse_h + rows, mask=row_ok, other=0.0)
                 delta = tl.load(DELTA + b * s_lse_b + h * s_lse_h + rows, mask=row_ok,
                                 other=0.0)
+                s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale2
+                resid = tl.dot(do, tl.trans(v), input_precision=PRECISION) - delta[:, None]
                 base, visible, gated = _visible_and_gated(
                     b, rows, pos, cols, nq, n, window, keep, LO, HI, MASK, PROMPT, s_lo_b,
                     s_mask_b, s_mask_m, s_prompt_b, MASK_MODE, HAS_PROMPT)
-                s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale2
                 # P~ for every key the base mask allows, kept or evicted; a visible key has
                 # s <= lse, so the clamp never touches the true probabilities
                 pt = tl.where(base, tl.exp2(tl.minimum(s - lse[:, None], clamp2)), 0.0)
                 p = tl.where(visible, pt, 0.0)
+                # the gate's column sum first: P~ then dies before the two dots below, instead
+                # of living across them (at head width 128 that tile was what spilled)
+                dg += tl.sum(tl.where(gated, pt * resid, 0.0), 0)
                 dv += tl.dot(tl.trans(p.to(do.dtype)), do, input_precision=PRECISION)
-                resid = tl.dot(do, tl.trans(v), input_precision=PRECISION) - delta[:, None]
                 ds = p * resid
                 dk += tl.dot(tl.trans(ds.to(q.dtype)), q, input_precision=PRECISION)
-                dg += tl.sum(tl.where(gated, pt * resid, 0.0), 0)
             if KEEP_PER_QUERY_HEAD:
                 tl.store(DG + b * s_dg_b + h * s_dg_h + cols, dg, mask=col_ok)
             else:
