@@ -9,9 +9,10 @@ training step would launch it (the same launcher and arguments, so the same spec
 operands in the attention layers' [B, n, H, d] layout, plain causal mask, GQA group from the
 shape) once per autotuning candidate (``_CANDIDATES``) and per ``--extra`` config
 (``KERNEL:BLOCK_M,BLOCK_N,num_warps,num_stages``), and ptxas's resource counts are printed.
-A config that spills (``local`` > 0) runs its inner loop through local memory; the autotuner
-times every candidate, but with ``KVGATE_TRITON_AUTOTUNE=0`` the first one runs untried, so the
-first candidate of each kernel should spill at no head width. Nothing is timed here: speed is
+A config that spills runs its inner loop through local memory, and a dot off the warpgroup MMA
+(Hopper's ``wgmma``, which needs 64+ rows a warpgroup) runs as the older ``mma.sync``; the
+autotuner times every candidate, but with ``KVGATE_TRITON_AUTOTUNE=0`` the first one runs
+untried, so the first candidate of each kernel should do neither at any head width. Nothing is timed here: speed is
 ``bench_kernel.py --triton`` on a GPU.
 """
 
@@ -100,7 +101,8 @@ def launches(shape: tuple[int, ...], dtype: torch.dtype, recent: int) -> dict:
 
 def resources(kernel, args, consts: dict, tiles: tuple[int, int, int, int]) -> dict:
     """ptxas's counts for ``kernel`` compiled with ``tiles`` (BLOCK_M, BLOCK_N, warps,
-    stages): registers per thread, spilled (local) bytes per thread, shared memory bytes."""
+    stages): registers per thread, spilled (local) bytes per thread, shared memory bytes, and
+    the dots not on the warpgroup MMA (from the compiled layouts; sm_90 and later have it)."""
     import triton
 
     bm, bn, warps, stages = tiles
@@ -114,9 +116,12 @@ def resources(kernel, args, consts: dict, tiles: tuple[int, int, int, int]) -> d
                                capture_output=True, text=True, check=True).stdout
     # spills live in the stack frame (ptxas -v's "bytes stack frame, ... spill stores")
     fields = dict(re.findall(r"(REG|STACK|LOCAL|SHARED):(\d+)", usage))
+    # a dot left as tt.dot after layout assignment runs as mma.sync: on Hopper the warpgroup
+    # MMA (ttng.warp_group_dot) needs >= 64 rows a warpgroup and is the faster
     return {"registers": int(fields["REG"]),
             "spilled": int(fields["STACK"]) + int(fields["LOCAL"]),
-            "shared": int(fields["SHARED"]) + compiled.metadata.shared}
+            "shared": int(fields["SHARED"]) + compiled.metadata.shared,
+            "sync_dots": len(re.findall(r"\btt\.dot\b", compiled.asm["ttgir"]))}
 
 
 def _tiles(text: str) -> tuple[str, tuple[int, int, int, int]]:
@@ -171,7 +176,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 got = resources(kernel, call_args, consts, tiles)
                 rows.append({"shape": shape, "kernel": which, "tiles": tiles, "kind": kind,
                              **got})
-                flag = "  SPILLS" if got["spilled"] else ""
+                flag = ("  SPILLS" if got["spilled"] else "") + (
+                    f"  {got['sync_dots']} DOTS OFF WARPGROUP MMA" if got["sync_dots"] else "")
                 print(f"{','.join(map(str, shape)):>16} {which:<4} {kind:<9} "
                       f"{','.join(map(str, tiles)):<13} registers {got['registers']:3d}  "
                       f"spilled {got['spilled']:5d} B  shared {got['shared'] // 1024:4d} KiB"

@@ -20,31 +20,46 @@ if triton is not None:
                        mask=idx_ok[:, None] & dim_ok[None, :], other=0.0)
 
     @triton.jit
+    def _along(x, AXIS: tl.constexpr):
+        """A vector ``x`` [m] spread along axis ``AXIS`` of a 2-D tile: [m, 1] or [1, m]."""
+        if AXIS == 0:
+            out = x[:, None]
+        else:
+            out = x[None, :]
+        return out
+
+    @triton.jit
     def _visible_and_gated(b, rows, pos, cols, nq, n, window, keep,
                            LO, HI, MASK, PROMPT, s_lo_b, s_mask_b, s_mask_m, s_prompt_b,
-                           MASK_MODE: tl.constexpr, HAS_PROMPT: tl.constexpr):
-        """(base, visible, gated) [BM, BN] for query rows ``rows`` (positions ``pos``) over keys
-        ``cols``: the rules of ``kvgate.attention.gated._chunk_masks`` element by element."""
-        row_ok = rows < nq
-        col_ok = cols < n
-        causal = cols[None, :] <= pos[:, None]
+                           MASK_MODE: tl.constexpr, HAS_PROMPT: tl.constexpr,
+                           KEYS_FIRST: tl.constexpr = False):
+        """(base, visible, gated) for query rows ``rows`` (positions ``pos``) over keys ``cols``:
+        the rules of ``kvgate.attention.gated._chunk_masks`` element by element, as [BM, BN]
+        tiles, or [BN, BM] with ``KEYS_FIRST`` (the key-tile backward's orientation)."""
+        QA: tl.constexpr = 1 if KEYS_FIRST else 0  # the axis queries run along
+        KA: tl.constexpr = 0 if KEYS_FIRST else 1
+        row_ok = _along(rows < nq, QA)
+        col_ok = _along(cols < n, KA)
+        q_pos = _along(pos, QA)
+        k_col = _along(cols, KA)
+        causal = k_col <= q_pos
         if MASK_MODE == 1:
-            lo = tl.load(LO + b * s_lo_b + rows, mask=row_ok, other=0)
-            hi = tl.load(HI + b * s_lo_b + rows, mask=row_ok, other=-1)
-            base = causal & (cols[None, :] >= lo[:, None]) & (cols[None, :] <= hi[:, None])
+            lo = tl.load(LO + b * s_lo_b + rows, mask=rows < nq, other=0)
+            hi = tl.load(HI + b * s_lo_b + rows, mask=rows < nq, other=-1)
+            base = causal & (k_col >= _along(lo, QA)) & (k_col <= _along(hi, QA))
         elif MASK_MODE == 2:
-            m = tl.load(MASK + b * s_mask_b + rows[:, None] * s_mask_m + cols[None, :],
-                        mask=row_ok[:, None] & col_ok[None, :], other=0)
+            m = tl.load(MASK + b * s_mask_b + _along(rows, QA) * s_mask_m + k_col,
+                        mask=row_ok & col_ok, other=0)
             base = causal & (m != 0)
         else:
             base = causal
-        base = (base | (cols[None, :] == pos[:, None])) & row_ok[:, None] & col_ok[None, :]
-        ungated = causal & (pos[:, None] - cols[None, :] < window)
+        base = (base | (k_col == q_pos)) & row_ok & col_ok
+        ungated = causal & (q_pos - k_col < window)
         if HAS_PROMPT:
-            pr = tl.load(PROMPT + b * s_prompt_b + pos, mask=row_ok, other=0)
-            pc = tl.load(PROMPT + b * s_prompt_b + cols, mask=col_ok, other=1)
-            ungated = ungated | (pr[:, None] != 0) | (pc[None, :] == 0)
-        visible = base & (ungated | (keep[None, :] != 0))
+            pr = tl.load(PROMPT + b * s_prompt_b + pos, mask=rows < nq, other=0)
+            pc = tl.load(PROMPT + b * s_prompt_b + cols, mask=cols < n, other=1)
+            ungated = ungated | (_along(pr, QA) != 0) | (_along(pc, KA) == 0)
+        visible = base & (ungated | (_along(keep, KA) != 0))
         gated = base & (ungated == 0)
         return base, visible, gated
 
@@ -160,21 +175,24 @@ if triton is not None:
                 lse = tl.load(LSE + b * s_lse_b + h * s_lse_h + rows, mask=row_ok, other=0.0)
                 delta = tl.load(DELTA + b * s_lse_b + h * s_lse_h + rows, mask=row_ok,
                                 other=0.0)
-                s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale2
-                resid = tl.dot(do, tl.trans(v), input_precision=PRECISION) - delta[:, None]
+                # every tile [keys, queries] (FlashAttention-2's dK / dV loop transposed): each
+                # dot then has the key tile's BLOCK_N rows, which Hopper's warpgroup MMA needs
+                # (>= 64), where [queries, keys] would give two of the four dots BLOCK_M rows
+                s = tl.dot(k, tl.trans(q), input_precision=PRECISION) * scale2
+                resid = tl.dot(v, tl.trans(do), input_precision=PRECISION) - delta[None, :]
                 base, visible, gated = _visible_and_gated(
                     b, rows, pos, cols, nq, n, window, keep, LO, HI, MASK, PROMPT, s_lo_b,
-                    s_mask_b, s_mask_m, s_prompt_b, MASK_MODE, HAS_PROMPT)
+                    s_mask_b, s_mask_m, s_prompt_b, MASK_MODE, HAS_PROMPT, True)
                 # P~ for every key the base mask allows, kept or evicted; a visible key has
                 # s <= lse, so the clamp never touches the true probabilities
-                pt = tl.where(base, tl.exp2(tl.minimum(s - lse[:, None], clamp2)), 0.0)
+                pt = tl.where(base, tl.exp2(tl.minimum(s - lse[None, :], clamp2)), 0.0)
                 p = tl.where(visible, pt, 0.0)
-                # the gate's column sum first: P~ then dies before the two dots below, instead
+                # the gate's row sum first: P~ then dies before the two dots below, instead
                 # of living across them (at head width 128 that tile was what spilled)
-                dg += tl.sum(tl.where(gated, pt * resid, 0.0), 0)
-                dv += tl.dot(tl.trans(p.to(do.dtype)), do, input_precision=PRECISION)
+                dg += tl.sum(tl.where(gated, pt * resid, 0.0), 1)
+                dv += tl.dot(p.to(do.dtype), do, input_precision=PRECISION)
                 ds = p * resid
-                dk += tl.dot(tl.trans(ds.to(q.dtype)), q, input_precision=PRECISION)
+                dk += tl.dot(ds.to(q.dtype), q, input_precision=PRECISION)
             if KEEP_PER_QUERY_HEAD:
                 tl.store(DG + b * s_dg_b + h * s_dg_h + cols, dg, mask=col_ok)
             else:
