@@ -26,11 +26,14 @@ class GateRecord:
     scores: Tensor | None = None
 
 
-def gate_attend_mask(valid: Tensor, prompt: Tensor | None, mode: str) -> Tensor | None:
-    """Mask of the gate's own attention [B, 1, n, n] (None = plain causal, no padding)."""
+def gate_attend_mask(valid: Tensor, prompt: Tensor | None, mode: str,
+                     all_real: bool = False) -> Tensor | None:
+    """Mask of the gate's own attention [B, 1, n, n] (None = plain causal, no padding).
+    ``all_real``: the caller knows no token is padding (the layer got no mask), so ``valid``
+    is not read back (on a GPU a device sync per layer)."""
     n = valid.shape[1]
     bidirectional = mode == "prompt_bidirectional" and prompt is not None
-    if not bidirectional and bool(valid.all()):
+    if not bidirectional and (all_real or bool(valid.all())):
         return None  # checked before any n x n mask is built: at 4k that is 2% of a prefill
     eye = torch.eye(n, dtype=torch.bool, device=valid.device)
     causal = torch.ones(n, n, dtype=torch.bool, device=valid.device).tril()
@@ -44,23 +47,26 @@ def gate_attend_mask(valid: Tensor, prompt: Tensor | None, mode: str) -> Tensor 
     return ((causal & valid[:, None, :]) | eye)[:, None]
 
 
-def gate_attention_mask(gate_mod: nn.Module, valid: Tensor, prompt: Tensor | None) -> Tensor | None:
+def gate_attention_mask(gate_mod: nn.Module, valid: Tensor, prompt: Tensor | None,
+                        all_real: bool = False) -> Tensor | None:
     """The mask of a gate's own attention; None for a local kind, which attends to nothing
-    (and so never builds the n x n mask)."""
-    return None if gate_mod.local else gate_attend_mask(valid, prompt, gate_mod.config.mode)
+    (and so never builds the n x n mask). ``all_real`` as in ``gate_attend_mask``."""
+    return None if gate_mod.local else gate_attend_mask(valid, prompt, gate_mod.config.mode,
+                                                        all_real)
 
 
 def compute_gate(module: nn.Module, hidden: Tensor, position_embeddings, valid: Tensor,
                  prompt: Tensor | None = None, tau: float | None = None,
                  previous_hidden: Tensor | None = None, own_scores: bool = False,
-                 graph: bool = False) -> GateRecord:
+                 graph: bool = False, all_real: bool = False) -> GateRecord:
     """Straight-through keep flags of one layer: [B, H_gate, n], with sinks, padding and
     (in prompt_bidirectional mode or with a full prefill) non-prompt tokens forced to 1.
     ``tau`` overrides the gate's keep threshold. ``previous_hidden`` [B, n' >= n, D] is the
     previous layer's input, which a ``previous_layer`` gate reads. ``own_scores``: the record
     also keeps the raw scores, with a gradient that reaches this gate alone. ``graph``: the
     gate's computation records autograd even under ``torch.no_grad()`` (a forward whose
-    only losses read the gates: ``kvgate.gate.patch.gate_graph_only``)."""
+    only losses read the gates: ``kvgate.gate.patch.gate_graph_only``). ``all_real``: no token
+    is padding (``valid`` all true), known without reading it back."""
     from kvgate.gate.base import straight_through  # the gates import this module
 
     gate_mod = module.kv_gate
@@ -69,7 +75,7 @@ def compute_gate(module: nn.Module, hidden: Tensor, position_embeddings, valid: 
         gate = torch.ones(valid.shape[0], gate_mod.out_heads, valid.shape[1], device=valid.device)
         return GateRecord(gate, counted)
     hidden = gate_input(module, hidden, previous_hidden)
-    attend = gate_attention_mask(gate_mod, valid, prompt)
+    attend = gate_attention_mask(gate_mod, valid, prompt, all_real)
     cfg = gate_mod.config
     forced = forced_tokens(cfg, valid, counted, prompt)
     with torch.enable_grad() if graph else nullcontext():
@@ -163,7 +169,8 @@ def gated_layer_attention(module: nn.Module, query: Tensor, key: Tensor, value: 
     record = compute_gate(module, call.hidden, call.position_embeddings, valid,
                           router.prompt_mask,
                           previous_hidden=context.call(module.layer_idx - 1).hidden,
-                          own_scores=router.gate_scores, graph=router.gate_graph)
+                          own_scores=router.gate_scores, graph=router.gate_graph,
+                          all_real=attention_mask is None)
     router.records[module.layer_idx] = record
     allowed = None if attention_mask is None else attention_mask
     prompt = None

@@ -227,3 +227,30 @@ def test_training_gates_only_moves_retention_toward_beta(tiny_llama):
     end = stats["retention"].item()
     assert start > 0.9
     assert abs(end - cfg.beta) < abs(start - cfg.beta) - 0.3
+
+
+def test_an_unpadded_gated_forward_reads_nothing_back_from_the_device(tiny_llama):
+    """With no attention mask every token is real: the gated layers decide that without
+    reading a tensor back (on a GPU each read is a device sync that drains the launch queue,
+    once per layer and step); a padded batch still reads its mask."""
+    import traceback
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Reads(TorchDispatchMode):
+        count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.__name__.startswith("_local_scalar_dense") and any(
+                    "kvgate/gate" in f.filename for f in traceback.extract_stack()):
+                Reads.count += 1
+            return func(*args, **(kwargs or {}))
+
+    kvgate.patch(tiny_llama, GateConfig(kernel="chunked"))
+    x, am = _inputs(pad=True)
+    with Reads():
+        tiny_llama(x).logits.sum().backward()
+    assert Reads.count == 0
+    with Reads():
+        tiny_llama(x, attention_mask=am)
+    assert Reads.count > 0
