@@ -166,11 +166,22 @@ def profile(shape, device, fn) -> None:
     print(prof.key_averages().table(sort_by=key, row_limit=15))
 
 
+def kernel_shape(text: str) -> tuple[int, ...]:
+    """``--shapes`` entry B,H,H_kv,n,d (positive, H a multiple of H_kv): an argparse type."""
+    parts = text.split(",")
+    if len(parts) != 5 or not all(p.isdigit() and int(p) > 0 for p in parts):
+        raise argparse.ArgumentTypeError(f"--shapes {text!r}: want B,H,H_kv,n,d")
+    shape = tuple(int(p) for p in parts)
+    if shape[1] % shape[2]:
+        raise argparse.ArgumentTypeError(f"--shapes {text!r}: H must be a multiple of H_kv")
+    return shape
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cpu")
-    ap.add_argument("--shapes", nargs="+", default=["1,9,3,2048,64", "1,32,32,2048,128"],
-                    help="B,H,H_kv,n,d")
+    ap.add_argument("--shapes", type=kernel_shape, nargs="+",
+                    default=[(1, 9, 3, 2048, 64), (1, 32, 32, 2048, 128)], help="B,H,H_kv,n,d")
     ap.add_argument("--backward-rows", type=int, nargs="+", default=[0])
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--flex", action="store_true",
@@ -189,10 +200,8 @@ def main(argv: list[str] | None = None) -> dict:
         raise SystemExit("--triton: the Triton kernel runs on CUDA (its interpreter is for tests)")
     fns = regimes(args.backward_rows, args.flex, args.triton)
     results = {}
-    for text in args.shapes:
-        shape = tuple(int(x) for x in text.split(","))
-        if len(shape) != 5:
-            raise SystemExit(f"--shapes {text!r}: want B,H,H_kv,n,d")
+    for shape in args.shapes:
+        text = ",".join(map(str, shape))
         _, h, _, n, _ = shape
         rows = gated_mod._rows_per_chunk(h, n, None, device)
         print(f"shape B,H,H_kv,n,d={text} on {device} (default backward rows per chunk: {rows})")

@@ -33,6 +33,7 @@ if os.environ.get("TRITON_INTERPRET", "0") == "1":
     raise SystemExit("triton_resources: unset TRITON_INTERPRET (the interpreter compiles nothing)")
 
 import torch
+from bench_kernel import kernel_shape
 
 from kvgate.attention import triton_kernel as tk
 
@@ -75,8 +76,7 @@ def _captured_launches(calls: dict):
     """The launcher hands out recorders (the kernels' own, undecorated by the autotuner); the
     row-term kernel, not a tiled one, is skipped."""
     launcher, row_term = tk._launcher, tk._row_term
-    kernels = {"fwd": tk._forward, "kv": tk._backward_kv, "q": tk._backward_q}
-    tk._launcher = lambda which, device: (_Captured(which, kernels[which], calls), {})
+    tk._launcher = lambda which, device: (_Captured(which, tk._TILE_KERNELS[which], calls), {})
     tk._row_term = lambda pb, do, out: torch.zeros(pb.b, pb.h, pb.nq)
     try:
         yield
@@ -135,21 +135,11 @@ def _tiles(text: str) -> tuple[str, tuple[int, int, int, int]]:
     return which, (bm, bn, warps, stages)
 
 
-def _shape(text: str) -> tuple[int, ...]:
-    parts = text.split(",")
-    if len(parts) != 5 or not all(p.isdigit() and int(p) > 0 for p in parts):
-        raise argparse.ArgumentTypeError(f"--shapes {text!r}: expected B,H,H_kv,n,d")
-    shape = tuple(int(p) for p in parts)
-    if shape[1] % shape[2]:
-        raise argparse.ArgumentTypeError(f"--shapes {text!r}: H must be a multiple of H_kv")
-    return shape
-
-
 def main(argv: list[str] | None = None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--arch", type=int, default=90, help="compute capability x 10 (90: H100)")
-    parser.add_argument("--shapes", type=_shape, nargs="+",
+    parser.add_argument("--shapes", type=kernel_shape, nargs="+",
                         default=[(1, 32, 32, 4096, 128), (1, 9, 3, 4096, 64)])
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
     parser.add_argument("--recent", type=int, default=16)

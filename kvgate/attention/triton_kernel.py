@@ -52,6 +52,9 @@ from kvgate.attention.triton_tiles import triton
 if triton is not None:
     from kvgate.attention.triton_tiles import _backward_kv, _backward_q, _forward, _row_dot
 
+    # the tiled kernels, by the name a launch (and its tile candidates) goes by
+    _TILE_KERNELS = {"fwd": _forward, "kv": _backward_kv, "q": _backward_q}
+
 
 LOG2E = 1.4426950408889634
 # the backward's clamp on P~ in the kernels' base-2 exponent units
@@ -104,7 +107,7 @@ def _fixed(tiles: tuple[int, int, int, int]) -> dict:
 
 def _launcher(which: str, device: torch.device):
     """(kernel, tile kwargs): the autotuned kernel on CUDA, fixed small tiles elsewhere."""
-    kernel = {"fwd": _forward, "kv": _backward_kv, "q": _backward_q}[which]
+    kernel = _TILE_KERNELS[which]
     if device.type != "cuda":
         return kernel, _fixed(_INTERPRETER_TILES)
     if os.environ.get("KVGATE_TRITON_AUTOTUNE", "1") == "0":

@@ -38,14 +38,15 @@ if triton is not None:
         tiles, or [BN, BM] with ``KEYS_FIRST`` (the key-tile backward's orientation)."""
         QA: tl.constexpr = 1 if KEYS_FIRST else 0  # the axis queries run along
         KA: tl.constexpr = 0 if KEYS_FIRST else 1
-        row_ok = _along(rows < nq, QA)
-        col_ok = _along(cols < n, KA)
+        in_rows, in_cols = rows < nq, cols < n
+        row_ok = _along(in_rows, QA)
+        col_ok = _along(in_cols, KA)
         q_pos = _along(pos, QA)
         k_col = _along(cols, KA)
         causal = k_col <= q_pos
         if MASK_MODE == 1:
-            lo = tl.load(LO + b * s_lo_b + rows, mask=rows < nq, other=0)
-            hi = tl.load(HI + b * s_lo_b + rows, mask=rows < nq, other=-1)
+            lo = tl.load(LO + b * s_lo_b + rows, mask=in_rows, other=0)
+            hi = tl.load(HI + b * s_lo_b + rows, mask=in_rows, other=-1)
             base = causal & (k_col >= _along(lo, QA)) & (k_col <= _along(hi, QA))
         elif MASK_MODE == 2:
             m = tl.load(MASK + b * s_mask_b + _along(rows, QA) * s_mask_m + k_col,
@@ -56,8 +57,8 @@ if triton is not None:
         base = (base | (k_col == q_pos)) & row_ok & col_ok
         ungated = causal & (q_pos - k_col < window)
         if HAS_PROMPT:
-            pr = tl.load(PROMPT + b * s_prompt_b + pos, mask=rows < nq, other=0)
-            pc = tl.load(PROMPT + b * s_prompt_b + cols, mask=cols < n, other=1)
+            pr = tl.load(PROMPT + b * s_prompt_b + pos, mask=in_rows, other=0)
+            pc = tl.load(PROMPT + b * s_prompt_b + cols, mask=in_cols, other=1)
             ungated = ungated | (_along(pr, QA) != 0) | (_along(pc, KA) == 0)
         visible = base & (ungated | (_along(keep, KA) != 0))
         gated = base & (ungated == 0)

@@ -153,6 +153,10 @@ class ResultStore:
         """Per-example records already stored under ``key`` (a copy)."""
         return dict(self.results.get(key, {}).get("examples", {}))
 
+    def has_example(self, key: str, uid: str) -> bool:
+        """Whether ``key`` has a stored record of example ``uid`` (no copy of the records)."""
+        return uid in self.results.get(key, {}).get("examples", {})
+
     def put(self, key: str, summary: dict[str, Any], examples: dict[str, Any],
             complete: bool) -> None:
         """Store a key's state; written now when complete, else at most every ``flush_s``."""

@@ -182,7 +182,7 @@ def _run_cell(model: nn.Module, tokenizer: Any, bench: QABenchmark, cell: Cell,
         out = []
         for it in batch:
             want = {k: v for k, v in shared.items() if group[k] == group[key]
-                    and (k == key or it.uid not in store.examples(k))}
+                    and (k == key or not store.has_example(k, it.uid))}
             asked = ask_shared(model, tokenizer, it.context, it.question, want, scores)
             recs = {k: {**record(bench, it, a), "shared_prefill": len(want)}
                     for k, a in asked.items()}

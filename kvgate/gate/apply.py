@@ -172,14 +172,13 @@ def gated_layer_attention(module: nn.Module, query: Tensor, key: Tensor, value: 
                           own_scores=router.gate_scores, graph=router.gate_graph,
                           all_real=attention_mask is None)
     router.records[module.layer_idx] = record
-    allowed = None if attention_mask is None else attention_mask
     prompt = None
     if module.kv_gate.config.prefill == "full":
         # one-shot: without a marked prompt the whole input is the prompt, encoded in full
         prompt = router.prompt_mask
         if prompt is None:
             prompt = torch.ones(b, n, dtype=torch.bool, device=query.device)
-    out = gated_attention(query, key, value, record.gate, allowed, scaling=scaling,
+    out = gated_attention(query, key, value, record.gate, attention_mask, scaling=scaling,
                           recent=module.kv_gate.config.recent, prompt=prompt,
                           kernel=module.kv_gate.config.kernel)
     return out.transpose(1, 2).contiguous(), None

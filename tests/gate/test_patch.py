@@ -238,19 +238,21 @@ def test_an_unpadded_gated_forward_reads_nothing_back_from_the_device(tiny_llama
     from torch.utils._python_dispatch import TorchDispatchMode
 
     class Reads(TorchDispatchMode):
-        count = 0
+        def __init__(self):
+            super().__init__()
+            self.count = 0
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             if func.__name__.startswith("_local_scalar_dense") and any(
                     "kvgate/gate" in f.filename for f in traceback.extract_stack()):
-                Reads.count += 1
+                self.count += 1
             return func(*args, **(kwargs or {}))
 
     kvgate.patch(tiny_llama, GateConfig(kernel="chunked"))
     x, am = _inputs(pad=True)
-    with Reads():
+    with Reads() as unpadded:
         tiny_llama(x).logits.sum().backward()
-    assert Reads.count == 0
-    with Reads():
+    assert unpadded.count == 0
+    with Reads() as padded:
         tiny_llama(x, attention_mask=am)
-    assert Reads.count > 0
+    assert padded.count > 0
