@@ -57,7 +57,7 @@ from kvgate.training.module import KVGateModule
 
 
 def materialised(q, k, v, gate, allowed=None, scaling=None, recent=0, chunk=None, prompt=None,
-                 kernel=None):
+                 kernel=None, memo=None):
     """The prototype's gated attention: the n x n gated softmax, autograd backward (takes
     every argument of kvgate's ``gated_attention``, so it can stand in for it)."""
     return gated_attention_reference(q, k, v, gate, allowed, scaling=scaling, recent=recent,
@@ -65,7 +65,7 @@ def materialised(q, k, v, gate, allowed=None, scaling=None, recent=0, chunk=None
 
 
 def attention_free(q, k, v, gate, allowed=None, scaling=None, recent=0, chunk=None, prompt=None,
-                   kernel=None):
+                   kernel=None, memo=None):
     """Not attention: an O(n d) stand-in with the kernel's signature and output shape whose
     output depends on q, k, v and the gate, so every gradient path of the step stays open."""
     group = q.shape[1] // k.shape[1]
@@ -79,9 +79,9 @@ def on_kernel(name: str):
     """kvgate's gated attention on kernel ``name`` ("flex", "triton"), whatever the gate config
     says (same signature as ``gated_attention``, so it can stand in for it)."""
     def run(q, k, v, gate, allowed=None, scaling=None, recent=0, chunk=None, prompt=None,
-            kernel=None):
+            kernel=None, memo=None):
         return gated_attention(q, k, v, gate, allowed, scaling, recent, chunk, prompt,
-                               kernel=name)
+                               kernel=name, memo=memo)
     return run
 
 

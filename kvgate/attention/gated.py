@@ -218,7 +218,7 @@ class _GatedAttention(torch.autograd.Function):
 def gated_attention(q: Tensor, k: Tensor, v: Tensor, gate: Tensor, allowed: Tensor | None = None,
                     scaling: float | None = None, recent: int = 0,
                     chunk: int | None = None, prompt: Tensor | None = None,
-                    kernel: str = "auto") -> Tensor:
+                    kernel: str = "auto", memo: dict | None = None) -> Tensor:
     """Attention where evicted keys (gate 0) are hidden from every later query.
 
     q [B, H, n_q, d] (the last n_q positions; n_q = n unless a prefix is already encoded);
@@ -231,7 +231,9 @@ def gated_attention(q: Tensor, k: Tensor, v: Tensor, gate: Tensor, allowed: Tens
     the prompt; kernel: "chunked" (this module), "flex" (``kvgate.attention.flex``:
     block-sparse FlexAttention, trains on CUDA only), "triton"
     (``kvgate.attention.triton_kernel``: FlashAttention-2-style tiles, CUDA) or "auto"
-    (``choose_kernel``).
+    (``choose_kernel``); memo: a dict that lives as long as ``allowed`` does (one forward of
+    the model, ``kvgate.models.dispatch.ForwardContext.memo``), where a kernel keeps what it
+    derives from the mask for the next layer (the Triton kernel's mask vectors: a device sync).
     Returns [B, H, n_q, d] in q's dtype. Softmax and accumulation run in fp32.
     """
     if kernel not in KERNELS:
@@ -261,7 +263,8 @@ def gated_attention(q: Tensor, k: Tensor, v: Tensor, gate: Tensor, allowed: Tens
     if chosen == "triton":
         from kvgate.attention.triton_kernel import triton_gated_attention
 
-        return triton_gated_attention(q, k, v, gate, allowed, scaling, int(recent), prompt)
+        return triton_gated_attention(q, k, v, gate, allowed, scaling, int(recent), prompt,
+                                      memo)
     scaling = 1.0 / math.sqrt(d) if scaling is None else float(scaling)
     g = h // k.shape[1]
     kr = k.repeat_interleave(g, 1).float()

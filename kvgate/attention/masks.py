@@ -7,7 +7,8 @@ so a padded sample computes what it computes alone.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Hashable, Sequence
+from typing import TypeVar
 
 import torch
 from torch import Tensor
@@ -17,6 +18,19 @@ from kvgate.errors import KVGateError
 
 class MaskError(KVGateError, RuntimeError):
     """An attention mask whose shape does not fit the tokens it should describe."""
+
+
+T = TypeVar("T")
+
+
+def memoised(memo: dict | None, key: Hashable, make: Callable[[], T]) -> T:
+    """``make()``, kept in ``memo`` under ``key`` (a dict that lives as long as the mask its
+    values derive from: one forward of the model); computed afresh when ``memo`` is None."""
+    if memo is None:
+        return make()
+    if key not in memo:
+        memo[key] = make()
+    return memo[key]
 
 
 def left_pad(rows: Sequence[Sequence[int]], pad: int) -> tuple[Tensor, Tensor]:

@@ -47,6 +47,7 @@ import torch
 from torch import Tensor
 
 from kvgate.attention.gated import EXP_CLAMP
+from kvgate.attention.masks import memoised
 from kvgate.attention.triton_tiles import triton
 
 if triton is not None:
@@ -158,7 +159,7 @@ class _Problem:
     """Everything the three kernels share for one call: the operands as they came (see
     ``_in_place``), the keep flags as int8, the mask vectors and the scalar arguments."""
 
-    def __init__(self, q, k, v, gate, allowed, prompt, scaling, recent):
+    def __init__(self, q, k, v, gate, allowed, prompt, scaling, recent, memo=None):
         self.b, self.h, self.nq, self.d = q.shape
         self.hk, self.n = k.shape[1], k.shape[2]
         self.q = _in_place(q)
@@ -168,7 +169,10 @@ class _Problem:
         self.keep = (gate.detach() > 0.5).to(torch.int8).contiguous()
         self.keep_group = self.h // gate.shape[1]
         self.group = self.h // self.hk
-        self.mode, self.lo, self.hi, self.dense = _mask_vectors(allowed, self.n, q.device)
+        # one derivation per mask and forward (its run test reads back from the device)
+        self.mode, self.lo, self.hi, self.dense = memoised(
+            memo, ("triton mask vectors", self.nq, self.n),
+            lambda: _mask_vectors(allowed, self.n, q.device))
         self.prompt = (prompt.to(torch.int8).contiguous() if prompt is not None
                        else torch.zeros(1, dtype=torch.int8, device=q.device))
         self.has_prompt = prompt is not None
@@ -278,9 +282,11 @@ class _TritonGatedAttention(torch.autograd.Function):
 
 def triton_gated_attention(q: Tensor, k: Tensor, v: Tensor, gate: Tensor,
                            allowed: Tensor | None = None, scaling: float | None = None,
-                           recent: int = 0, prompt: Tensor | None = None) -> Tensor:
+                           recent: int = 0, prompt: Tensor | None = None,
+                           memo: dict | None = None) -> Tensor:
     """``kvgate.attention.gated.gated_attention`` on the Triton kernels (same arguments, already
-    validated there; ``allowed`` bool [B, 1, n_q, n] or None). Returns [B, H, n_q, d] in q's
+    validated there; ``allowed`` bool [B, 1, n_q, n] or None; ``memo`` keeps the mask vectors
+    for the next call with the same mask). Returns [B, H, n_q, d] in q's
     dtype; the tiles take q's dtype (fp32, bf16 or fp16), statistics stay fp32."""
     if triton is None:
         raise RuntimeError("the triton attention kernel needs the triton package "
@@ -292,7 +298,7 @@ def triton_gated_attention(q: Tensor, k: Tensor, v: Tensor, gate: Tensor,
         raise RuntimeError(f"the triton attention kernel takes fp32, bf16 or fp16, not {q.dtype}")
     scaling = 1.0 / math.sqrt(q.shape[-1]) if scaling is None else float(scaling)
     problem = _Problem(q.detach(), k.detach(), v.detach(), gate, allowed, prompt, scaling,
-                       recent)
+                       recent, memo)
     if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, gate)):
         return _TritonGatedAttention.apply(q, k, v, gate, problem)
     return _forward_call(problem)[0]

@@ -9,7 +9,7 @@ import torch
 from torch import Tensor, nn
 
 from kvgate.attention.gated import gated_attention
-from kvgate.attention.masks import last_real, new_token_validity
+from kvgate.attention.masks import last_real, memoised, new_token_validity
 from kvgate.gate.config import GateConfig
 from kvgate.models.dispatch import ForwardContext
 
@@ -48,17 +48,23 @@ def gate_attend_mask(valid: Tensor, prompt: Tensor | None, mode: str,
 
 
 def gate_attention_mask(gate_mod: nn.Module, valid: Tensor, prompt: Tensor | None,
-                        all_real: bool = False) -> Tensor | None:
+                        all_real: bool = False, memo: dict | None = None) -> Tensor | None:
     """The mask of a gate's own attention; None for a local kind, which attends to nothing
-    (and so never builds the n x n mask). ``all_real`` as in ``gate_attend_mask``."""
-    return None if gate_mod.local else gate_attend_mask(valid, prompt, gate_mod.config.mode,
-                                                        all_real)
+    (and so never builds the n x n mask). ``all_real`` as in ``gate_attend_mask``; ``memo``
+    (one forward's, for the mask ``valid`` and ``prompt`` come from) keeps the mask for the
+    next layer: every gated layer of a forward reads the same one."""
+    if gate_mod.local:
+        return None
+    mode = gate_mod.config.mode
+    return memoised(memo, ("gate attend", mode),
+                    lambda: gate_attend_mask(valid, prompt, mode, all_real))
 
 
 def compute_gate(module: nn.Module, hidden: Tensor, position_embeddings, valid: Tensor,
                  prompt: Tensor | None = None, tau: float | None = None,
                  previous_hidden: Tensor | None = None, own_scores: bool = False,
-                 graph: bool = False, all_real: bool = False) -> GateRecord:
+                 graph: bool = False, all_real: bool = False,
+                 memo: dict | None = None) -> GateRecord:
     """Straight-through keep flags of one layer: [B, H_gate, n], with sinks, padding and
     (in prompt_bidirectional mode or with a full prefill) non-prompt tokens forced to 1.
     ``tau`` overrides the gate's keep threshold. ``previous_hidden`` [B, n' >= n, D] is the
@@ -66,7 +72,8 @@ def compute_gate(module: nn.Module, hidden: Tensor, position_embeddings, valid: 
     also keeps the raw scores, with a gradient that reaches this gate alone. ``graph``: the
     gate's computation records autograd even under ``torch.no_grad()`` (a forward whose
     only losses read the gates: ``kvgate.gate.patch.gate_graph_only``). ``all_real``: no token
-    is padding (``valid`` all true), known without reading it back."""
+    is padding (``valid`` all true), known without reading it back. ``memo``: the forward's
+    memo of the mask ``valid`` and ``prompt`` come from (``gate_attention_mask``)."""
     from kvgate.gate.base import straight_through  # the gates import this module
 
     gate_mod = module.kv_gate
@@ -75,7 +82,7 @@ def compute_gate(module: nn.Module, hidden: Tensor, position_embeddings, valid: 
         gate = torch.ones(valid.shape[0], gate_mod.out_heads, valid.shape[1], device=valid.device)
         return GateRecord(gate, counted)
     hidden = gate_input(module, hidden, previous_hidden)
-    attend = gate_attention_mask(gate_mod, valid, prompt, all_real)
+    attend = gate_attention_mask(gate_mod, valid, prompt, all_real, memo)
     cfg = gate_mod.config
     forced = forced_tokens(cfg, valid, counted, prompt)
     with torch.enable_grad() if graph else nullcontext():
@@ -164,13 +171,15 @@ def gated_layer_attention(module: nn.Module, query: Tensor, key: Tensor, value: 
         return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling)
     # the cache's reading of the mask (a padding query does not see itself): training and a
     # cached prefill agree on which tokens are real
-    valid = new_token_validity(attention_mask, b, n, query.device)
+    memo = context.memo(attention_mask)
+    valid = memoised(memo, ("valid", b, n),
+                     lambda: new_token_validity(attention_mask, b, n, query.device))
     call = context.call(module.layer_idx)
     record = compute_gate(module, call.hidden, call.position_embeddings, valid,
                           router.prompt_mask,
                           previous_hidden=context.call(module.layer_idx - 1).hidden,
                           own_scores=router.gate_scores, graph=router.gate_graph,
-                          all_real=attention_mask is None)
+                          all_real=attention_mask is None, memo=memo)
     router.records[module.layer_idx] = record
     prompt = None
     if module.kv_gate.config.prefill == "full":
@@ -180,5 +189,5 @@ def gated_layer_attention(module: nn.Module, query: Tensor, key: Tensor, value: 
             prompt = torch.ones(b, n, dtype=torch.bool, device=query.device)
     out = gated_attention(query, key, value, record.gate, attention_mask, scaling=scaling,
                           recent=module.kv_gate.config.recent, prompt=prompt,
-                          kernel=module.kv_gate.config.kernel)
+                          kernel=module.kv_gate.config.kernel, memo=memo)
     return out.transpose(1, 2).contiguous(), None

@@ -53,9 +53,22 @@ class ForwardContext:
 
     router: Router
     calls: dict[int, LayerCall] = field(default_factory=dict)
+    # per attention-mask object, what the layers derive from it alike (its real tokens, a
+    # gate's own n x n mask, the Triton kernels' mask vectors): transformers hands every layer
+    # of one attention type the same mask tensor, so the first layer derives and the others
+    # read (on a GPU each derivation was a device sync per layer). The mask is held with its
+    # memo so that its id cannot be reused while the forward lasts.
+    memos: dict[int, tuple[Tensor | None, dict]] = field(default_factory=dict)
 
     def call(self, layer_idx: int) -> LayerCall:
         return self.calls.get(layer_idx) or LayerCall(None, None, None)
+
+    def memo(self, mask: Tensor | None) -> dict:
+        """The memo of ``mask`` (a layer's attention mask, None included) in this forward."""
+        held = self.memos.get(id(mask))
+        if held is None or held[0] is not mask:
+            held = self.memos[id(mask)] = (mask, {})
+        return held[1]
 
 
 class AttentionHandler:

@@ -225,3 +225,27 @@ def test_off_cuda_without_the_interpreter_the_kernel_is_refused_by_name(monkeypa
     with pytest.raises(RuntimeError, match="triton attention kernel runs on CUDA"):
         gated_attention(q, k, v, gate, kernel="triton")
     assert GateConfig(kernel="triton").kernel == "triton"
+
+
+def test_a_padded_forward_derives_the_kernels_mask_vectors_once_not_per_layer(monkeypatch):
+    """Every layer gets the same mask tensor, and reducing it to the kernels' vectors reads
+    back from the device: the first gated layer derives them, the others reuse them; a new
+    forward (a new mask) derives them again."""
+    derived = []
+    real = triton_kernel._mask_vectors
+
+    def counting(allowed, n, device):
+        derived.append(n)
+        return real(allowed, n, device)
+
+    monkeypatch.setattr(triton_kernel, "_mask_vectors", counting)
+    model = build(tiny_llama_config(num_hidden_layers=3))
+    patch(model, GateConfig(kernel="triton"))
+    ids = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones(2, 12, dtype=torch.long)
+    mask[0, :3] = 0
+    with torch.no_grad():
+        model(input_ids=ids, attention_mask=mask)
+        assert derived == [12]
+        model(input_ids=ids[:, 2:], attention_mask=mask[:, 2:])
+    assert derived == [12, 10]
