@@ -13,6 +13,7 @@ the table with the flag that dials each threshold::
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import islice
 from pathlib import Path
 from typing import Any
 
@@ -88,7 +89,9 @@ def contexts(cfg: CalibrateConfig, tokenizer: Any, length: int,
     """The calibration contexts of one length: from ``rows`` (the ``--text-files`` texts,
     tokenised once) or generated."""
     if rows is not None:
-        out = [tokenizer.decode(ids[:length]) for ids in rows if len(ids) >= length][:cfg.limit]
+        # decode only the first --limit texts long enough, not every one
+        out = [tokenizer.decode(ids[:length])
+               for ids in islice((ids for ids in rows if len(ids) >= length), cfg.limit)]
         if not out:
             raise EvalError(f"--text-files: no text has {length:,} tokens; use shorter --lengths")
         return out

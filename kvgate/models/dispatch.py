@@ -65,10 +65,8 @@ class ForwardContext:
 
     def memo(self, mask: Tensor | None) -> dict:
         """The memo of ``mask`` (a layer's attention mask, None included) in this forward."""
-        held = self.memos.get(id(mask))
-        if held is None or held[0] is not mask:
-            held = self.memos[id(mask)] = (mask, {})
-        return held[1]
+        # an id found here is the same object: the held mask keeps its id from being reused
+        return self.memos.setdefault(id(mask), (mask, {}))[1]
 
 
 class AttentionHandler:
