@@ -35,8 +35,10 @@ python - "$1" "$2" <<'PY'
 import json, sys
 d = json.load(open(sys.argv[2]))
 s = d["stats"]
+# bytes held count the ragged cache's per-entry positions too, so the full cache's exceed dense
 print(f"{sys.argv[1]:<14} kept {100 * s['kept_fraction']:5.1f}% of the context KV, "
-      f"{s['bytes_held']:,} of {s['bytes_full']:,} bytes | {d['answers'][0].strip()}")
+      f"{s['bytes_held']:,} bytes held (K/V + positions) of {s['bytes_full']:,} dense | "
+      f"{d['answers'][0].strip()}")
 PY
 }
 

@@ -399,8 +399,8 @@ def run_cli(engine: Any, args: Any) -> int:
             ("context tokens", (f"{stats['context_tokens']:,} (chat template: "
                                f"{'yes' if compressed.chat else 'no'})")),
             ("kept (context)", f"{100 * stats['kept_fraction']:.1f}%"),
-            ("KV bytes held", (f"{stats['bytes_held']:,} of {stats['bytes_full']:,} full "
-                              f"({ratio:.3f}x)")),
+            ("KV bytes held", (f"{stats['bytes_held']:,} (K/V + positions) of "
+                              f"{stats['bytes_full']:,} dense ({ratio:.3f}x)")),
             ("compress", f"{stats['compress_ms']:.1f} ms"),
             ("answers", f"{answer_ms:.1f} ms for {len(answers)}")]
     width = max(len(k) for k, _ in rows)

@@ -63,7 +63,8 @@ class GenerationStats:
             ("kept (prompt)", (f"{100 * self.kept_fraction:.1f}%  (evicted "
                                f"{self.evicted_percent:.1f}%)")),
             ("kept per layer %", per_layer),
-            ("KV bytes held", f"{self.bytes_held:,} of {self.bytes_full:,} full ({ratio:.3f}x)"),
+            ("KV bytes held", (f"{self.bytes_held:,} (K/V + positions) of {self.bytes_full:,} "
+                               f"dense ({ratio:.3f}x)")),
             ("prefill", f"{self.prefill_ms:.1f} ms"),
             ("decode", f"{self.decode_tokens_per_s:.1f} tokens/s"),
         ]
