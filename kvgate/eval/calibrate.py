@@ -12,6 +12,7 @@ the table with the flag that dials each threshold::
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from itertools import islice
 from pathlib import Path
@@ -84,10 +85,26 @@ class CalibrationOutput:
         return calibration_markdown(self.rows)
 
 
+class TokenRows:
+    """The ``--text-files`` texts' token ids in order, each text tokenised once and only when a
+    length first reaches it: a long .jsonl with a small ``--limit`` is not tokenised in full,
+    and a second length reads again what the first tokenised."""
+
+    def __init__(self, tokenizer: Any, texts: list[str]) -> None:
+        self.tokenizer, self.texts = tokenizer, texts
+        self.done: list[list[int]] = []
+
+    def __iter__(self) -> Iterator[list[int]]:
+        for i, text in enumerate(self.texts):
+            if i == len(self.done):
+                self.done.append(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+            yield self.done[i]
+
+
 def contexts(cfg: CalibrateConfig, tokenizer: Any, length: int,
-             rows: list[list[int]] | None = None) -> list[str]:
-    """The calibration contexts of one length: from ``rows`` (the ``--text-files`` texts,
-    tokenised once) or generated."""
+             rows: Iterable[list[int]] | None = None) -> list[str]:
+    """The calibration contexts of one length: from ``rows`` (the ``--text-files`` texts'
+    token ids, ``TokenRows``) or generated."""
     if rows is not None:
         # decode only the first --limit texts long enough, not every one
         out = [tokenizer.decode(ids[:length])
@@ -111,8 +128,7 @@ def run_calibrate(cfg: CalibrateConfig, load: Any = None) -> CalibrationOutput:
     if cfg.text_files:
         from kvgate.data import load_text_files
 
-        tokenised = [tokenizer(text, add_special_tokens=False)["input_ids"]
-                     for text in load_text_files(cfg.text_files)]
+        tokenised = TokenRows(tokenizer, load_text_files(cfg.text_files))
     rows = []
     for length in cfg.lengths:
         texts = contexts(cfg, tokenizer, length, tokenised)

@@ -112,3 +112,24 @@ def test_text_files_give_each_texts_first_tokens_and_a_length_none_has_is_one_li
     code, _, err = cli(capsys, *argv, "--lengths", "600", "--out", str(tmp_path / "u"))
     assert code == 2 and "no text has 600 tokens" in err and err.count("\n") == 1
     assert not (tmp_path / "u" / "calibration.json").exists()
+
+
+def test_text_files_are_tokenised_each_once_and_only_as_far_as_a_length_needs():
+    from types import SimpleNamespace
+
+    from kvgate.eval.calibrate import TokenRows, contexts
+
+    calls = []
+    base = char_tokenizer()
+
+    def tokenizer(text, add_special_tokens=False):
+        calls.append(text)
+        return base(text, add_special_tokens=add_special_tokens)
+
+    tokenizer.decode = base.decode
+    texts = ["a" * 50, "b" * 10, "c" * 50, "d" * 50, "e" * 50]
+    rows, cfg = TokenRows(tokenizer, texts), SimpleNamespace(limit=2)
+    assert contexts(cfg, tokenizer, 20, rows) == ["a" * 20, "c" * 20]
+    assert calls == texts[:3]  # the first two long enough texts; d and e never tokenised
+    assert contexts(cfg, tokenizer, 5, rows) == ["a" * 5, "b" * 5]
+    assert calls == texts[:3]  # a second length reads what the first tokenised
