@@ -7,6 +7,10 @@ Examples:
         --prompt-file prompts.txt --max-new-tokens 64
     kvgate infer --checkpoint runs/cpt_demo/gated --policy attention_gate --prompt "..."
 
+``--prompt`` text is continued as written (no chat template): an instruct model may answer it
+with an end-of-turn at once. To ask such a model, compress a ``--context-file`` and ask each
+``--question`` after it, through the chat template.
+
 ``--budget`` is a ratio of each prompt's real length (0.5 keeps half the entries of every KV
 head) or, as an integer > 1, a token count. ``--prompt-file`` holds one prompt per line.
 Errors in the arguments, the policy, the budget, the device or the checkpoint print one line
@@ -64,7 +68,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--policy-opt", action="append", default=[], metavar="KEY=VALUE",
                    help="policy option (repeatable); VALUE is parsed as JSON when it can be")
     prompt = p.add_mutually_exclusive_group(required=True)
-    prompt.add_argument("--prompt", action="append", help="a prompt (repeatable: a batch)")
+    prompt.add_argument("--prompt", action="append",
+                        help="a prompt, continued as raw text without the chat template "
+                             "(repeatable: a batch); to ask an instruct model, use "
+                             "--context-file and --question")
     prompt.add_argument("--prompt-file", help="file with one prompt per line")
     compress_cli.add_cli_arguments(p, prompt)  # --context-file, --question, --answer-prefix
     p.add_argument("--max-new-tokens", type=int, default=32)
