@@ -46,6 +46,7 @@ import argparse
 import contextlib
 import importlib.util
 import os
+import re
 import shutil
 import sys
 import warnings
@@ -236,6 +237,11 @@ def check_steps(trainer) -> None:
                 "gates; give a positive value (max_steps: -1 means no step limit)")
 
 
+# words of a Trainer error about the machine rather than about a value
+_HARDWARE_WORDS = re.compile(r"accelerator|device|strateg|gpu|cuda|mps|tpu|hpu|xla|node|"
+                             r"available|your (machine|system)", re.IGNORECASE)
+
+
 def _build_cli(argv: list[str], prog: str) -> KVGateCLI:
     """Parse and instantiate (no model is loaded yet); a parser error becomes one line."""
     try:
@@ -248,11 +254,13 @@ def _build_cli(argv: list[str], prog: str) -> KVGateCLI:
             raise cause from err
         raise ConfigFileError(parser_error_line(str(err))) from err
     except MisconfigurationException as err:
-        # the Trainer refusing its settings on this machine (an accelerator or strategy it
-        # cannot use, e.g. --trainer.accelerator gpu on a CPU-only torch): the user's to fix
-        raise TrainingConfigError(f"trainer: {str(err).strip().splitlines()[0]} "
-                                  "(check --trainer.accelerator / --trainer.devices / "
-                                  "--trainer.strategy on this machine)") from err
+        # the Trainer refusing its settings: a value it rejects (max_steps -3) or hardware it
+        # cannot use here (--trainer.accelerator gpu on a CPU-only torch); only the latter
+        # gets the hint, which would mislead on a plain bad value
+        line = str(err).strip().splitlines()[0]
+        hint = (" (check --trainer.accelerator / --trainer.devices / --trainer.strategy on "
+                "this machine)" if _HARDWARE_WORDS.search(line) else "")
+        raise TrainingConfigError(f"trainer: {line}{hint}") from err
 
 
 def _run_lock(cli: KVGateCLI):

@@ -117,6 +117,15 @@ def test_a_gpu_accelerator_on_a_cpu_only_torch_is_one_line(base_dir, tmp_path, c
     assert not (tmp_path / "run").exists()
 
 
+def test_a_bad_trainer_value_is_one_line_without_the_hardware_hint(base_dir, tmp_path, capsys,
+                                                                    no_model_load):
+    config = tiny_config(tmp_path, base_dir)
+    assert main(["--config", str(config), "--trainer.max_steps", "-3"]) == 2
+    line = one_error_line(capsys)
+    assert "max_steps" in line and "-3" in line
+    assert "--trainer.accelerator" not in line  # the machine is not the problem here
+
+
 def test_export_gated_writes_nothing_after_a_run_of_no_step(base_dir, tmp_path, capsys):
     module = KVGateModule(base_model=base_dir, train="gates", image_every_n_steps=0)
     trainer = L.Trainer(max_steps=3, limit_train_batches=0, accelerator="cpu", logger=False,
