@@ -257,7 +257,7 @@ def _build_cli(argv: list[str], prog: str) -> KVGateCLI:
         # the Trainer refusing its settings: a value it rejects (max_steps -3) or hardware it
         # cannot use here (--trainer.accelerator gpu on a CPU-only torch); only the latter
         # gets the hint, which would mislead on a plain bad value
-        line = str(err).strip().splitlines()[0]
+        line = first_line(err)
         hint = (" (check --trainer.accelerator / --trainer.devices / --trainer.strategy on "
                 "this machine)" if _HARDWARE_WORDS.search(line) else "")
         raise TrainingConfigError(f"trainer: {line}{hint}") from err
@@ -328,7 +328,7 @@ def _fit(cli: KVGateCLI, ckpt_path: str | None) -> None:
     except (MisconfigurationException, ValueError) as err:
         if cli.trainer.global_step > 0 or not _raised_by_lightning(err):
             raise  # a failure while training, or not Lightning's own check: keep the trace
-        raise TrainingConfigError(f"trainer: {str(err).strip().splitlines()[0]}") from err
+        raise TrainingConfigError(f"trainer: {first_line(err)}") from err
 
 
 def _raised_by_lightning(err: BaseException) -> bool:
