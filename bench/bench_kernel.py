@@ -6,8 +6,8 @@
 Each shape is B,H,H_kv,n,d (SmolLM2's 9/3 heads of 64, Llama-2-7B's 32/32 of 128), fp32 q, k,
 v and a 0/1 gate with ~50% kept, plain causal mask and a recent band of 16. Regimes alternate
 repeat by repeat on the same tensors; the median time and the peak memory above the inputs are
-printed per regime with its ratio to ``materialised`` (the n x n gated softmax differentiated by
-autograd). ``--backward-rows R`` adds a kvgate regime whose backward runs R query rows per chunk
+printed per regime with its speed-up over ``materialised`` (the n x n gated softmax
+differentiated by autograd): the median of the repeats' paired ratios, with its 95% interval. ``--backward-rows R`` adds a kvgate regime whose backward runs R query rows per chunk
 (0: kvgate's default for the device). Before timing, every regime's output and four gradients
 are checked against the materialised ones, so a faster but wrong setting fails loudly.
 ``--flex`` adds the FlexAttention kernel twice: as training runs it (fp32 tiles) and fed bf16
@@ -37,6 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from kvgate.attention import gated as gated_mod
 from kvgate.attention.flex import flex_gated_attention
 from kvgate.attention.gated import gated_attention, gated_attention_reference
+from kvgate.eval.intervals import median_interval
 from kvgate.models.load import sync_device
 
 RECENT = 16
@@ -148,7 +149,14 @@ def bench_shape(shape, device, fns: dict, repeats: int, warn: bool = False) -> d
                 times[name].append(time.perf_counter() - t0)
             if device.type == "cuda":
                 peak[name] = (torch.cuda.max_memory_allocated(device) - base) / 2**30
-    return {name: (statistics.median(ts), peak.get(name)) for name, ts in times.items()}
+    # each regime's repeat times too: regimes alternate within a repeat, so ratios pair up
+    return {name: (statistics.median(ts), peak.get(name), ts) for name, ts in times.items()}
+
+
+def paired_ratio(slow: list[float], fast: list[float]) -> str:
+    """``slow / fast`` per repeat: their median and its 95% interval, as printed."""
+    mid, lo, hi = median_interval([a / b for a, b in zip(slow, fast)])
+    return f"{mid:.2f}x [{lo:.2f}, {hi:.2f}]"
 
 
 def profile(shape, device, fn) -> None:
@@ -206,14 +214,15 @@ def main(argv: list[str] | None = None) -> dict:
         rows = gated_mod._rows_per_chunk(h, n, None, device)
         print(f"shape B,H,H_kv,n,d={text} on {device} (default backward rows per chunk: {rows})")
         res = bench_shape(shape, device, fns, args.repeats, args.on_mismatch == "warn")
-        ref = res["materialised"][0]
-        for name, (sec, mem) in res.items():
+        ref = res["materialised"][2]
+        for name, (sec, mem, times) in res.items():
             mem_txt = "" if mem is None else f", peak +{mem:.2f} GiB"
             print(f"  {name:<16} {sec * 1e3:9.2f} ms{mem_txt}  speed-up vs materialised "
-                  f"{ref / sec:.2f}x")
+                  f"{paired_ratio(ref, times)}")
         if "triton_bf16" in res:
             print(f"  triton_bf16 / sdpa_flash_bf16 time: "
-                  f"{res['triton_bf16'][0] / res['sdpa_flash_bf16'][0]:.2f}x (target <= 1.5x)")
+                  f"{paired_ratio(res['triton_bf16'][2], res['sdpa_flash_bf16'][2])} "
+                  f"(target <= 1.5x; median of {args.repeats} paired repeats, 95% interval)")
         if args.profile:
             profile(shape, device, fns["kvgate"] if "kvgate" in fns else next(iter(fns.values())))
         results[text] = res

@@ -30,7 +30,8 @@ the forward under ``--precision`` as Lightning runs it (the GPU recipes' ``bf16-
 gates' fp32 weights then compute in bf16, as they train; without it an fp32 gate beside a bf16
 base multiplies in fp32).
 The regimes alternate step by step (A, B, A, B, ...) on the same batches, so drifting load
-from other processes on the machine hits both alike. One untimed warm-up step each.
+from other processes on the machine hits both alike. One untimed warm-up step each. Each ratio
+is that of the total times, then that of the paired steps: their median and its 95% interval.
 On CUDA each step is timed between device synchronisations.
 """
 
@@ -50,6 +51,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import kvgate.gate.apply as gate_apply
 import kvgate.gate.prefix as gate_prefix
 from kvgate.attention.gated import gated_attention, gated_attention_reference
+from kvgate.eval.intervals import median_interval
 from kvgate.gate import GateConfig
 from kvgate.models.load import sync_device
 from kvgate.training.data import CPTDataModule
@@ -172,6 +174,7 @@ def measure(args, regimes: dict, impl: dict, split: dict, seq_len: int) -> None:
         module.train()
     cuda = args.device.startswith("cuda")
     seconds = {name: 0.0 for name in regimes}
+    took_steps: dict[str, list[float]] = {name: [] for name in regimes}
     peak = {name: 0 for name in regimes}
     failed: dict[str, str] = {}
     for i, batch in enumerate(batches):
@@ -204,6 +207,7 @@ def measure(args, regimes: dict, impl: dict, split: dict, seq_len: int) -> None:
                 peak[name] = max(peak[name], torch.cuda.max_memory_allocated(args.device))
             if i > 0:  # step 0 warms up allocators and kernels
                 seconds[name] += took
+                took_steps[name].append(took)
     tokens = args.steps * args.batch * seq_len
     tps = {name: tokens / s for name, s in seconds.items() if name not in failed}
     where = (torch.cuda.get_device_name(args.device) if cuda
@@ -222,7 +226,11 @@ def measure(args, regimes: dict, impl: dict, split: dict, seq_len: int) -> None:
         if x not in tps or y not in tps:
             return None
         mem = f"; peak memory {peak[x] / peak[y]:.2f}x" if cuda else ""
-        return f"{what}: {tps[x] / tps[y]:.3f}x{mem}"
+        # the steps pair up (same batch, back to back): the median of their ratios and its
+        # 95% interval say how far the ratio of totals can be trusted
+        mid, lo, hi = median_interval([b / a for a, b in zip(took_steps[x], took_steps[y])])
+        return (f"{what}: {tps[x] / tps[y]:.3f}x{mem}; per step {mid:.3f}x "
+                f"[{lo:.3f}, {hi:.3f}]")
 
     if args.pair == "lora":
         lines = [ratio("lora", "gates_lora", "slowdown gates+LoRA vs LoRA-only (target <= 1.35x)"),

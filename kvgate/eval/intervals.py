@@ -4,9 +4,11 @@
 - :func:`bootstrap`: the percentile bootstrap of a mean (partial-credit scores), seeded so a
   table is reproducible;
 - :func:`mean_interval` picks one of the two; :func:`stratified_interval` is the interval of a
-  mean of group means (e.g. the average over task families), resampling within each group.
+  mean of group means (e.g. the average over task families), resampling within each group;
+- :func:`median_interval`: a distribution-free interval of a median (order statistics), for
+  paired timing ratios in ``bench/``.
 
-All take and return percentages.
+All but :func:`median_interval` take and return percentages.
 """
 
 from __future__ import annotations
@@ -65,3 +67,21 @@ def mean_interval(values: Sequence[float], seed: int = 0) -> tuple[float, float]
     if all(v in (0.0, 100.0) for v in values):
         return wilson(sum(v == 100.0 for v in values), len(values))
     return bootstrap(values, seed=seed)
+
+
+def median_interval(values: Sequence[float], level: float = 0.95) -> tuple[float, float, float]:
+    """(median, lo, hi): ``[x_(j), x_(n+1-j)]`` of the sorted values, the narrowest such pair
+    that covers the population median with probability >= ``level`` whatever the distribution
+    (the count of values below the median is Binomial(n, 1/2)). Under 6 values no pair reaches
+    95%: then the whole range, whose coverage is 1 - 2^(1-n)."""
+    xs = sorted(float(v) for v in values)
+    n = len(xs)
+    if n == 0:
+        return math.nan, math.nan, math.nan
+    median = (xs[(n - 1) // 2] + xs[n // 2]) / 2
+    j = 1
+    # widen inward while the next pair [x_(j+1), x_(n-j)] still covers with >= level: it
+    # misses when more than n - j - 1 or fewer than j + 1 values fall below the median
+    while j + 1 <= n - j and 2 * sum(math.comb(n, i) for i in range(j + 1)) / 2 ** n <= 1 - level:
+        j += 1
+    return median, xs[j - 1], xs[n - j]
