@@ -26,6 +26,7 @@
 # regimes doubled decode's (~6 min now: run `decode` alone first), `run OUT flex` ~12.
 # H100 (2026-11-27): `DEADLINE=150 run OUT triton` ran its tests, kernel timings and the gates +
 # LoRA lengths in 168 s; the whole part (profile, materialised, autotuned) needs ~450 s.
+# H200 (2026-11-27, session 29): the whole triton part with DEADLINE=420 took 217 s.
 # The CUDA machine needs torch, transformers, peft, lightning (no network): the SmolLM2 weights
 # do not travel (98 MB), so the base is a random model of SmolLM2's shape (bench/random_base.py);
 # speed does not depend on weight values. Wheels in .whl/ (deepspeed, bitsandbytes, their
