@@ -7,8 +7,9 @@ Each shape is B,H,H_kv,n,d (SmolLM2's 9/3 heads of 64, Llama-2-7B's 32/32 of 128
 v and a 0/1 gate with ~50% kept, plain causal mask and a recent band of 16. Regimes alternate
 repeat by repeat on the same tensors; the median time and the peak memory above the inputs are
 printed per regime with its speed-up over ``materialised`` (the n x n gated softmax
-differentiated by autograd): the median of the repeats' paired ratios, with its 95% interval. ``--backward-rows R`` adds a kvgate regime whose backward runs R query rows per chunk
-(0: kvgate's default for the device). Before timing, every regime's output and four gradients
+differentiated by autograd): the median of the repeats' paired ratios, with its 95% interval.
+``--backward-rows R`` adds a kvgate regime whose backward runs R query rows per chunk (0:
+kvgate's default for the device). Before timing, every regime's output and four gradients
 are checked against the materialised ones, so a faster but wrong setting fails loudly.
 ``--flex`` adds the FlexAttention kernel twice: as training runs it (fp32 tiles) and fed bf16
 tiles (``flex_bf16``, checked to 2% of the largest reference value).
