@@ -394,15 +394,25 @@ def run_cli(engine: Any, args: Any) -> int:
         return 0
     for question, text in zip(args.question, answers):
         print(f"Q: {question}\nA: {text}\n")
-    ratio = stats["bytes_held"] / stats["bytes_full"] if stats["bytes_full"] else float("nan")
     rows = [("policy", f"{stats['policy']} ({stats['budget']})"),
             ("context tokens", (f"{stats['context_tokens']:,} (chat template: "
                                f"{'yes' if compressed.chat else 'no'})")),
             ("kept (context)", f"{100 * stats['kept_fraction']:.1f}%"),
-            ("KV bytes held", (f"{stats['bytes_held']:,} (K/V + positions) of "
-                              f"{stats['bytes_full']:,} dense ({ratio:.3f}x)")),
+            ("KV bytes held", bytes_held_text(stats["bytes_held"], stats["bytes_full"])),
             ("compress", f"{stats['compress_ms']:.1f} ms"),
             ("answers", f"{answer_ms:.1f} ms for {len(answers)}")]
-    width = max(len(k) for k, _ in rows)
-    print("\n".join(f"{k:<{width}}  {v}" for k, v in rows))
+    print(two_columns(rows))
     return 0
+
+
+def bytes_held_text(held: int, full: int) -> str:
+    """The "KV bytes held" cell of a terminal table: what the compressed cache holds against
+    the dense cache of the same tokens."""
+    ratio = held / full if full else float("nan")
+    return f"{held:,} (K/V + positions) of {full:,} dense ({ratio:.3f}x)"
+
+
+def two_columns(rows: Sequence[tuple[str, str]]) -> str:
+    """(label, value) rows as a two-column text table for terminals."""
+    width = max(len(k) for k, _ in rows)
+    return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)

@@ -16,7 +16,7 @@ from torch import Tensor, nn
 
 from kvgate.attention.masks import left_pad
 from kvgate.cache import CompressedCache
-from kvgate.inference.compress import CompressedContext, run_passes
+from kvgate.inference.compress import CompressedContext, bytes_held_text, run_passes, two_columns
 from kvgate.inference.compress import answer as answer_questions
 from kvgate.inference.compress import compress as compress_contexts
 from kvgate.inference.decode import decode, left_padded_positions, until_eos
@@ -55,7 +55,6 @@ class GenerationStats:
     def table(self) -> str:
         """A two-column text table for terminals."""
         per_layer = " ".join(f"{100 * f:.0f}" for f in self.kept_fraction_per_layer)
-        ratio = self.bytes_held / self.bytes_full if self.bytes_full else float("nan")
         rows = [
             ("policy", f"{self.policy} ({self.budget})"),
             ("prompt tokens", ", ".join(map(str, self.prompt_tokens))),
@@ -63,13 +62,11 @@ class GenerationStats:
             ("kept (prompt)", (f"{100 * self.kept_fraction:.1f}%  (evicted "
                                f"{self.evicted_percent:.1f}%)")),
             ("kept per layer %", per_layer),
-            ("KV bytes held", (f"{self.bytes_held:,} (K/V + positions) of {self.bytes_full:,} "
-                               f"dense ({ratio:.3f}x)")),
+            ("KV bytes held", bytes_held_text(self.bytes_held, self.bytes_full)),
             ("prefill", f"{self.prefill_ms:.1f} ms"),
             ("decode", f"{self.decode_tokens_per_s:.1f} tokens/s"),
         ]
-        width = max(len(k) for k, _ in rows)
-        return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
+        return two_columns(rows)
 
 
 @dataclass
