@@ -35,6 +35,13 @@ _kv_hash="$(cat "$KVGATE_ROOT/requirements.txt" "$KVGATE_ROOT/pyproject.toml" \
 _kv_marker="$_kv_venv/.kvgate-requirements.sha256"
 if [ "$(cat "$_kv_marker" 2>/dev/null || true)" != "$_kv_hash" ]; then
     echo "[setup] installing requirements into $_kv_venv"
+    # A full disk otherwise shows up as a pip traceback deep inside a download (the venv
+    # takes about 3 GiB, plus the wheels pip fetches on the way); say it first, in one line.
+    _kv_free_kib="$(df -Pk "$KVGATE_ROOT" 2>/dev/null | awk 'NR == 2 {print $4}')"
+    if [ -n "$_kv_free_kib" ] && [ "$_kv_free_kib" -lt $((4 * 1024 * 1024)) ]; then
+        echo "[setup] warning: only $((_kv_free_kib / 1024)) MiB free on the disk holding" \
+            "$KVGATE_ROOT; installing the requirements needs about 4 GiB" >&2
+    fi
     # torch stays pinned ==2.13.0 in requirements.txt: any other spec pulls a CUDA build
     python -m pip install -r "$KVGATE_ROOT/requirements.txt"
     # shellcheck disable=SC2086
@@ -58,4 +65,4 @@ if command -v flock >/dev/null 2>&1; then
     flock -u 9
     exec 9>&-
 fi
-unset _kv_venv _kv_extras _kv_hash _kv_marker _kv_model
+unset _kv_venv _kv_extras _kv_hash _kv_marker _kv_model _kv_free_kib
