@@ -14,6 +14,7 @@ from torch import Tensor
 
 from kvgate.training.errors import warn
 from kvgate.training.export import export_module
+from kvgate.training.finite import StopOnNonFinite
 from kvgate.training.integrity import ChecksumCheckpoints
 
 
@@ -157,9 +158,10 @@ class ExportGated(Callback):
 
 
 def default_callbacks(module: L.LightningModule) -> list[Callback]:
-    """What every KVGateModule run has: sha256 sidecars for its checkpoints, and the logs of
-    tokens/s, learning rates and eviction images."""
-    callbacks: list[Callback] = [ChecksumCheckpoints(), TokensPerSecond()]
+    """What every KVGateModule run has: sha256 sidecars for its checkpoints, a stop at the
+    first non-finite loss or tensor, and the logs of tokens/s, learning rates and eviction
+    images."""
+    callbacks: list[Callback] = [ChecksumCheckpoints(), StopOnNonFinite(), TokensPerSecond()]
     trainer = getattr(module, "_trainer", None)
     if trainer is not None and trainer.loggers:
         callbacks.append(LearningRateMonitor(logging_interval="step"))
