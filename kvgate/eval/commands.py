@@ -15,6 +15,7 @@ or cut with ``truncate`` (tasks, per-text perplexity), which says what it droppe
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 from collections.abc import Callable
@@ -145,6 +146,17 @@ def _loaded(cfg: EvalConfig, load: Loader | None,
     return model, tokenizer, policies, ResultStore(Path(cfg.out), meta, settings=cfg.settings())
 
 
+@contextlib.contextmanager
+def _kept_on_interrupt(store: ResultStore):
+    """The examples scored since the store's last timed write are written when Ctrl-C stops
+    the run (the command line then says they were kept): a rerun skips them."""
+    try:
+        yield
+    except KeyboardInterrupt:
+        store.flush()
+        raise
+
+
 def _finish(store: ResultStore, extra: list[Path] | None = None) -> EvalOutput:
     return EvalOutput(store, [*write_outputs(store), *(extra or [])])
 
@@ -219,9 +231,10 @@ def run_mc(cfg: MCConfig, load: Loader | None = None) -> EvalOutput:
 
     model, tokenizer, policies, store = _loaded(cfg, load, cfg.build_policies())
     tasks = load_tasks(cfg)
-    evaluate_mc(model, tokenizer, tasks, policies, cfg.budgets, cfg.mode, store,
-                batch_size=cfg.batch_size, max_length=cfg.max_length, progress=cfg.progress,
-                truncate=cfg.truncate)
+    with _kept_on_interrupt(store):
+        evaluate_mc(model, tokenizer, tasks, policies, cfg.budgets, cfg.mode, store,
+                    batch_size=cfg.batch_size, max_length=cfg.max_length,
+                    progress=cfg.progress, truncate=cfg.truncate)
     # thresholded gates (a ranked one has budgets: the `pattern` command draws it)
     gated = {n: p for n, p in policies.items() if needs_gate(p) and p.budget_free}
     extra = []
@@ -240,11 +253,12 @@ def run_matched(cfg: MatchedConfig, load: Loader | None = None) -> EvalOutput:
         cfg.reference_budget
     tasks = load_tasks(cfg)
     others = model.disable_adapter if cfg.others_on == "base" else None
-    evaluate_matched(model, tokenizer, tasks, policies, reference, cfg.mode, store,
-                     reference_name=ref_label, reference_budget=ref_budget,
-                     batch_size=cfg.batch_size, max_length=cfg.max_length,
-                     progress=cfg.progress, others=others, rounding=cfg.rounding,
-                     truncate=cfg.truncate)
+    with _kept_on_interrupt(store):
+        evaluate_matched(model, tokenizer, tasks, policies, reference, cfg.mode, store,
+                         reference_name=ref_label, reference_budget=ref_budget,
+                         batch_size=cfg.batch_size, max_length=cfg.max_length,
+                         progress=cfg.progress, others=others, rounding=cfg.rounding,
+                         truncate=cfg.truncate)
     extra = []
     if cfg.patterns and needs_gate(reference):
         extra = write_patterns(model, tokenizer, tasks, {ref_label: reference},
@@ -260,7 +274,8 @@ def run_scored(cfg: EvalConfig, load: Loader | None,
     ``score(model, tokenizer, policies, store)`` (it returns the result keys), add the paired
     differences of ``cfg.paired`` when it has one, write results.md and the plots."""
     model, tokenizer, policies, store = _loaded(cfg, load, cfg.build_policies())
-    keys = score(model, tokenizer, policies, store)
+    with _kept_on_interrupt(store):
+        keys = score(model, tokenizer, policies, store)
     paired = getattr(cfg, "paired", None)
     if paired is not None:
         from kvgate.eval.paired import add_paired
@@ -311,10 +326,12 @@ def run_ppl(cfg: PPLConfig, load: Loader | None = None) -> EvalOutput:
     from kvgate.eval.ppl import evaluate_ppl
 
     model, tokenizer, policies, store = _loaded(cfg, load, cfg.build_policies())
-    evaluate_ppl(model, tokenizer, load_texts(cfg), policies, cfg.budgets, store, mode=cfg.mode,
-                 max_length=cfg.max_length, prefix=cfg.prefix, batch_size=cfg.batch_size,
-                 progress=cfg.progress, context=cfg.context, continuation=cfg.continuation,
-                 windows=cfg.windows, truncate=cfg.truncate, step=cfg.step)
+    with _kept_on_interrupt(store):
+        evaluate_ppl(model, tokenizer, load_texts(cfg), policies, cfg.budgets, store,
+                     mode=cfg.mode, max_length=cfg.max_length, prefix=cfg.prefix,
+                     batch_size=cfg.batch_size, progress=cfg.progress, context=cfg.context,
+                     continuation=cfg.continuation, windows=cfg.windows,
+                     truncate=cfg.truncate, step=cfg.step)
     return _finish(store)
 
 

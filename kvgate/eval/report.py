@@ -102,6 +102,7 @@ class ResultStore:
         self._meta = dict(meta)
         self.settings = None if settings is None else normal(settings)
         self._touched: set[str] = set()  # keys this run has put; the others are the file's
+        self._unsaved = False  # a key was put since the last write (flush() writes it)
         self.data = self._read() or {"meta": dict(meta), "results": {}}
         if meta.get("weights") is not None:  # a folder written before the digest gains it
             self.data["meta"].setdefault("weights", meta["weights"])
@@ -164,7 +165,14 @@ class ResultStore:
         self.results[key] = {**split_key(key), **summary, **settings, "complete": complete,
                              "examples": examples}
         self._touched.add(key)
+        self._unsaved = True
         if complete or time.monotonic() - self._last >= self.flush_s:
+            self.save()
+
+    def flush(self) -> None:
+        """Write what was put since the last write (a run ending early: Ctrl-C); nothing when
+        nothing was, so an interrupt before the first result creates no file."""
+        if self._unsaved:
             self.save()
 
     def save(self) -> None:
@@ -179,6 +187,7 @@ class ResultStore:
                 self.data["results"] = merged
             write_json_atomic(self.path, self.data)
         self._last = time.monotonic()
+        self._unsaved = False
 
     def complete_results(self, kind: str | None = None) -> list[dict[str, Any]]:
         return [r for r in self.results.values()
