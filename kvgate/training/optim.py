@@ -36,6 +36,24 @@ class OptimSettings:
             if not ok:
                 raise TrainingConfigError(
                     f"OptimSettings.{key}: out of range (got {getattr(self, key)!r})")
+        for key in ("lr_gate", "lr_lora"):
+            _check_first_step(key, getattr(self, key), self.betas[0], self.weight_decay)
+
+
+# the trained tensors are fp32 whatever the base's dtype
+_FP32_MAX = float(torch.finfo(torch.float32).max)
+
+
+def _check_first_step(key: str, lr: float, beta1: float, weight_decay: float) -> None:
+    """AdamW's first step moves a weight by up to lr / (1 - beta1) and scales it by
+    1 - lr * weight_decay; a rate whose step does not fit in fp32 used to fail inside torch
+    (a 76-line overflow traceback) after the base had loaded."""
+    largest = max(lr / (1.0 - beta1), lr * weight_decay)
+    if not math.isfinite(lr) or largest > _FP32_MAX:
+        raise TrainingConfigError(
+            f"OptimSettings.{key}: {lr!r} is far too high: AdamW's first step "
+            f"({largest:.3g}) overflows float32 (at most {_FP32_MAX:.3g}); learning rates "
+            "are around 1e-3 (gates) and 1e-4 (LoRA)")
 
 
 def lr_factor(step: int, total: int, warmup: int, floor: float) -> float:

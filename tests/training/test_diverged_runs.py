@@ -37,3 +37,27 @@ def test_a_diverging_run_stops_at_the_step_with_one_line_and_exports_nothing(bas
     step = int(lines[0].split("step ")[1].split(":")[0])
     saved = sorted(p.name for p in (run / "checkpoints").glob("*.ckpt"))
     assert f"epoch=0-step={step}.ckpt" not in saved  # the step that diverged is not kept
+
+
+@pytest.mark.parametrize("flag, value", [("lr_gate", "1e38"), ("lr_lora", "5e37")])
+def test_a_learning_rate_whose_first_step_overflows_is_one_line_before_the_model_loads(
+        flag, value, base_dir, tmp_path, capsys, monkeypatch):
+    """#64 case 15: lr_gate 1e38 was a 76-line overflow traceback from inside AdamW's first
+    step, and RUN/tb left behind."""
+    from kvgate.training.module import KVGateModule
+
+    def refuse(self):
+        raise AssertionError("the model was loaded although the run is refused")
+
+    monkeypatch.setattr(KVGateModule, "configure_model", refuse)
+    run = tmp_path / "run"
+    code = main(["--config", str(tiny_config(tmp_path, base_dir)), "--run_dir", str(run),
+                 f"--model.optim.{flag}", value,
+                 "--trainer.logger", "lightning.pytorch.loggers.TensorBoardLogger",
+                 "--trainer.logger.save_dir", str(run / "tb")])
+    err = capsys.readouterr().err
+    assert code == 2 and "Traceback" not in err, err
+    lines = error_lines(err)
+    assert len(lines) == 1 and f"OptimSettings.{flag}" in lines[0], lines
+    assert "overflows float32" in lines[0]
+    assert not run.exists()
