@@ -177,6 +177,12 @@ class KVGateModule(TrainingObjective, L.LightningModule):
     def setup(self, stage: str) -> None:
         """Checks that span the model and the data; Lightning runs this before
         ``configure_model``, so they fail before the base is loaded."""
+        device = self.trainer.strategy.root_device
+        if self.gated and self.gate_cfg.kernel in ("triton", "flex") and device.type != "cuda":
+            # else a 180-line traceback from inside the kernel, after the base has loaded
+            raise TrainingConfigError(
+                f"model.gate.kernel: {self.gate_cfg.kernel!r} trains only on CUDA and this run "
+                f"is on the {device.type.upper()}; use --model.gate.kernel chunked (or auto)")
         data = self.trainer.datamodule
         if getattr(data, "answers", "gold") == "all" and not (self.gated
                                                              and self.recipe_cfg.distill_weight):

@@ -242,3 +242,21 @@ def test_lightning_refusing_its_set_up_is_one_line_and_leaves_no_tb(base_dir, tm
     assert len(lines) == 1 and "Traceback" not in err, lines
     assert lines[0].startswith("error: trainer: `val_check_interval` (10000) must be less than")
     assert sorted(p.name for p in run.iterdir()) == ["notes.txt"]
+
+
+# ------------------------------------------------------------------------------- issue #64
+@pytest.mark.parametrize("kernel", ["triton", "flex"])
+def test_a_cuda_only_gate_kernel_on_the_cpu_is_one_line_before_the_model_loads(
+        kernel, base_dir, tmp_path, capsys, no_model_load):
+    """#64 case 7: ``--model.gate.kernel triton`` (or flex) on the CPU was a 176-185-line
+    traceback from inside the kernel, exit 1, and RUN/tb left."""
+    run = tmp_path / "run"
+    code = main(["--config", str(tiny_config(tmp_path, base_dir)), "--run_dir", str(run),
+                 "--model.gate.kernel", kernel,
+                 "--trainer.logger", "lightning.pytorch.loggers.TensorBoardLogger",
+                 "--trainer.logger.save_dir", str(run / "tb")])
+    assert code == 2
+    line = one_error_line(capsys)
+    assert f"model.gate.kernel: '{kernel}' trains only on CUDA" in line
+    assert "--model.gate.kernel chunked" in line
+    assert not run.exists()
