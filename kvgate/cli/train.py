@@ -31,7 +31,8 @@ read before the trainer creates a folder (``kvgate.training.integrity``), and mu
 written with this run's gate and LoRA shapes (``model.train``, ``model.gate.heads``,
 ``model.lora.rank``, ...: one line naming the field otherwise). A run without ``--ckpt_path``
 into a folder that already holds checkpoints is refused, naming both ways on (``--ckpt_path
-last``, or a new ``--run_dir``); ``--overwrite`` deletes them and starts at step 0. Lightning
+last``, or a new ``--run_dir``); ``--overwrite`` deletes them and starts at step 0 (with
+``--ckpt_path``, which resumes, it is a contradiction: refused in one line). Lightning
 refusing its set-up (too few batches for ``val_check_interval``) is one line too; a run refused
 before its first step leaves no folder of its own.
 
@@ -287,6 +288,7 @@ def main(argv: list[str] | None = None, prog: str = "train.py") -> int:
         check_config_files(argv)
         cli = _build_cli(argv, prog)
         created = _created_root(Path(cli.trainer.log_dir))
+        check_overwrite(overwrite, cli.config.get("ckpt_path"))
         with _run_lock(cli):
             # checked (and "last" resolved) before fit creates the logger's folders
             ckpt_path = resume_path(cli.trainer, cli.config.get("ckpt_path"),
@@ -318,6 +320,15 @@ def main(argv: list[str] | None = None, prog: str = "train.py") -> int:
         print(f"error: {first_line(cause)}", file=sys.stderr)
         return 2
     return 0
+
+
+def check_overwrite(overwrite: bool, ckpt_path: str | None) -> None:
+    """``--overwrite`` starts afresh and ``--ckpt_path`` continues: given both, either would
+    silently lose what the user asked for with the other."""
+    if overwrite and ckpt_path is not None:
+        raise TrainingConfigError(
+            f"--overwrite (delete the run's checkpoints, start at step 0) contradicts "
+            f"--ckpt_path {ckpt_path} (resume): pass one of them")
 
 
 def _fit(cli: KVGateCLI, ckpt_path: str | None) -> None:

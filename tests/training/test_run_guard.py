@@ -260,3 +260,20 @@ def test_a_cuda_only_gate_kernel_on_the_cpu_is_one_line_before_the_model_loads(
     assert f"model.gate.kernel: '{kernel}' trains only on CUDA" in line
     assert "--model.gate.kernel chunked" in line
     assert not run.exists()
+
+
+@pytest.mark.parametrize("ckpt_path", ["last", "ckpt/last.ckpt"])
+def test_overwrite_with_ckpt_path_is_one_line_naming_both(ckpt_path, base_dir, tmp_path, capsys,
+                                                         no_model_load):
+    """#64 case 12: ``--overwrite --ckpt_path last`` silently ignored the contradiction."""
+    folder = tmp_path / "run" / "ckpt"
+    folder.mkdir(parents=True)
+    (folder / "last.ckpt").write_bytes(b"an earlier run's checkpoint")
+    code = main(["--config", str(tiny_config(tmp_path, base_dir)), "--overwrite",
+                 "--ckpt_path", str(tmp_path / "run" / ckpt_path) if "/" in ckpt_path
+                 else ckpt_path])
+    assert code == 2
+    line = one_error_line(capsys)
+    assert "--overwrite" in line and "--ckpt_path" in line and "contradicts" in line
+    assert (folder / "last.ckpt").read_bytes() == b"an earlier run's checkpoint"
+    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["ckpt"]
