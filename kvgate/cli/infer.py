@@ -65,8 +65,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--decode-budget", default=None,
                    help="capacity while decoding (decode-evicting policies); default: the "
                         "per-head count after the prefill")
-    p.add_argument("--policy-opt", action="append", default=[], metavar="KEY=VALUE",
-                   help="policy option (repeatable); VALUE is parsed as JSON when it can be")
+    p.add_argument("--policy-opt", action="append", default=[], metavar="[NAME.]KEY=VALUE",
+                   help="policy option (repeatable): KEY=VALUE, or NAME.KEY=VALUE as kvgate "
+                        "eval takes it (NAME: the --policy); VALUE is parsed as JSON when it "
+                        "can be")
     prompt = p.add_mutually_exclusive_group(required=True)
     prompt.add_argument("--prompt", action="append",
                         help="a prompt, continued as raw text without the chat template "
@@ -92,13 +94,24 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--debug", action="store_true", help="show tracebacks")
 
 
-def parse_policy_options(items: list[str]) -> dict[str, Any]:
-    """``["window=32", "pooling=max"]`` -> ``{"window": 32, "pooling": "max"}``."""
+def parse_policy_options(items: list[str], policy: str | None = None) -> dict[str, Any]:
+    """``["window=32", "snapkv.pooling=max"]`` -> ``{"window": 32, "pooling": "max"}``.
+
+    ``NAME.KEY=VALUE`` is ``kvgate eval``'s form (one command line works in both); its NAME
+    must be ``policy``, the one policy that runs here."""
     options: dict[str, Any] = {}
     for item in items:
         key, sep, raw = item.partition("=")
-        if not sep or not key.strip():
-            raise CliError(f"--policy-opt {item!r}: expected KEY=VALUE")
+        name, dot, option = key.partition(".")
+        if not sep or not key.strip() or (dot and not option.strip()):
+            raise CliError(f"--policy-opt {item!r}: expected KEY=VALUE or "
+                           f"{policy or 'NAME'}.KEY=VALUE")
+        if dot:  # option names hold no dot: the part before it names the policy
+            if name.strip() != policy:
+                raise CliError(f"--policy-opt {item!r}: the policy is {policy!r}, not "
+                               f"{name.strip()!r}; write {policy}.{option.strip()}={raw} (or "
+                               f"{option.strip()}={raw})")
+            key = option
         try:
             value = json.loads(raw)
         except json.JSONDecodeError:
@@ -154,7 +167,7 @@ def run(args: argparse.Namespace) -> int:
     decode_budget = _parse_decode_budget(args.decode_budget)
     name = args.policy or (gate_policy_name(gate_kind(args.checkpoint)) if args.checkpoint
                            else "full")
-    policy = get_policy(name, **parse_policy_options(args.policy_opt))
+    policy = get_policy(name, **parse_policy_options(args.policy_opt, name))
     if policy.needs_attention and args.attn == "flash":
         raise PolicyError(f"policy {policy.name!r} needs attention scores, which the 'flash' "
                           "backend cannot give; use --attn sdpa")

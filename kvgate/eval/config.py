@@ -14,7 +14,8 @@ raises :class:`~kvgate.eval.errors.EvalError` with one line that names the flag:
                     policies="full,snapkv", budgets=[0.5, 0.25], limit=50))
 
 ``policies`` keeps the command line's syntax: ``NAME`` or ``LABEL=NAME`` items (or ``all``),
-with ``policy_opt`` items ``LABEL.KEY=VALUE`` (VALUE parsed as JSON when it can be).
+with ``policy_opt`` items ``LABEL.KEY=VALUE`` (VALUE parsed as JSON when it can be; ``KEY=VALUE``
+when there is one label).
 
 ``settings()`` of a config: the options besides the result key and the policy spec that change
 its scores, stored with each result and checked when a run resumes it
@@ -92,7 +93,8 @@ def parse_tasks(raw: str | Sequence[str]) -> list[str]:
 
 def parse_policies(raw: str | Sequence[str], options: Sequence[str] = ()) -> dict[str, Policy]:
     """``"snapkv,snap10=snapkv"`` + ``["snap10.window=0.1"]`` -> ``{label: policy}``; LABEL=NAME
-    runs one policy under a second label (with its own options)."""
+    runs one policy under a second label (with its own options). With one label, an option
+    may leave it out (``window=0.1``, as ``kvgate infer`` takes it)."""
     from kvgate.policies import list_policies
     from kvgate.policies.registry import get_policy, policy_class
 
@@ -112,8 +114,14 @@ def parse_policies(raw: str | Sequence[str], options: Sequence[str] = ()) -> dic
     for item in options:
         target, sep, raw_value = item.partition("=")
         name, dot, key = target.partition(".")
-        if not sep or not dot or not key:
-            raise EvalError(f"--policy-opt {item!r}: expected NAME.KEY=VALUE")
+        if sep and not dot and target.strip() and len(per) == 1:
+            # kvgate infer's KEY=VALUE: with one policy asked, NAME can only be its label
+            name, key = next(iter(per)), target
+        if not sep or not key.strip() or not name.strip():
+            only = " (KEY=VALUE only when --policies names one)" if len(per) > 1 else ""
+            raise EvalError(f"--policy-opt {item!r}: expected NAME.KEY=VALUE, NAME a label of "
+                            f"--policies{only}")
+        name, key = name.strip(), key.strip()
         if name not in per:
             raise EvalError(f"--policy-opt {item!r}: policy {name!r} is not in --policies")
         try:
@@ -171,7 +179,8 @@ class EvalConfig:
                                     "comma-separated policy names (LABEL=NAME runs a policy "
                                     "under a second label), or 'all'")
     policy_opt: list[str] = opt(factory=list, help="a policy option, NAME.KEY=VALUE (VALUE "
-                                "parsed as JSON when it can be); repeatable",
+                                "parsed as JSON when it can be; KEY=VALUE when --policies "
+                                "names one); repeatable",
                                 action="append", metavar="NAME.KEY=VALUE")
     batch_size: int = opt(8, "examples per forward")
     dtype: str = opt("float32", "model weights' dtype")
