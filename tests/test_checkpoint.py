@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 
 import lightning as L
 import pytest
@@ -344,3 +345,42 @@ def test_export_of_an_exported_folder_or_a_plain_folder_is_one_line(exported, tm
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and err[0].startswith(f"error: {src}: {why}"), err
     assert not (tmp_path / "new").exists()
+
+
+# ------------------------------------------------------------------------------- issue #64
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+def test_non_finite_gates_are_neither_exported_nor_loaded(bases, tmp_path, value):
+    """#64: a diverged run's all-NaN gates were exported and loaded as if trained."""
+    from training.kvtrain_fixtures import poison_gates
+
+    module = trained_module(bases["llama"])
+    gate = gate_modules(module.model)[1]
+    name, param = next(iter(gate.named_parameters()))
+    with torch.no_grad():
+        param.view(-1)[3] = value
+    word = "NaN" if math.isnan(value) else "infinite"
+    with pytest.raises(CheckpointError, match=rf"not exported: tensor '1\.{name}' holds {word}"):
+        export_module(module, tmp_path / "gated")
+    assert list(tmp_path.iterdir()) == []  # no folder, no temporary
+    with torch.no_grad():
+        param.view(-1)[3] = 0.0
+    out = export_module(module, tmp_path / "gated")
+    key = poison_gates(out, value)
+    with pytest.raises(CheckpointError, match=rf"{GATES_NAME}: tensor '{key}' holds {word}"):
+        load_gated(out)
+
+
+def test_a_non_finite_lightning_checkpoint_is_not_exported_before_the_base_loads(
+        bases, tmp_path, monkeypatch):
+    module = trained_module(bases["llama"])
+    state = {n: p.detach().clone() for n, p in module.trainable_named_parameters()}
+    first = min(state)
+    state[first].view(-1)[0] = float("nan")
+    ckpt = tmp_path / "last.ckpt"
+    torch.save({"global_step": 3, "state_dict": state,
+                "hyper_parameters": dict(module.hparams)}, ckpt)
+    monkeypatch.setattr(KVGateModule, "configure_model",
+                        lambda self: pytest.fail("the base loaded for a checkpoint it refuses"))
+    with pytest.raises(CheckpointError, match=rf"not exported: tensor '{first}' holds NaN"):
+        export_checkpoint(ckpt, tmp_path / "out")
+    assert not (tmp_path / "out").exists()

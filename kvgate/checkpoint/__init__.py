@@ -48,6 +48,7 @@ from kvgate.checkpoint.format import (
     CheckpointError,
     is_gated_export,
 )
+from kvgate.checkpoint.guards import check_finite
 from kvgate.checkpoint.place import (
     check_target,
     os_reason,
@@ -149,6 +150,7 @@ def export_gated(model: nn.Module, out: str | os.PathLike, *, base_model: str, f
         raise CheckpointError(f"{out}: cannot write the export ({os_reason(err)})") from None
     try:
         gates = gate_state(model)
+        check_finite(gates, f"{out}: not exported")  # a diverged run's gates are no model
         if gates:
             save_file(gates, str(tmp / GATES_NAME), metadata={"format": FORMAT})
         lora = _has_lora(model)
@@ -306,6 +308,7 @@ def load_gate_weights(model: nn.Module, path: str | os.PathLike) -> None:
         tensors = load_file(str(file))
     except (SafetensorError, OSError) as err:
         raise CheckpointError(f"{file}: corrupt or truncated ({err})") from None
+    check_finite(tensors, str(file))
     gates = gate_modules(model)
     if not gates:
         raise CheckpointError(f"{file}: the model has no gates to load it into")

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from kvgate.checkpoint import CONFIG_NAME, CheckpointError, export_gated, is_gated_export
+from kvgate.checkpoint.guards import check_finite
 from kvgate.checkpoint.place import check_target
 from kvgate.files import check_output_dir
 from kvgate.training.integrity import brief_error, verify_checkpoint, warn_unverified
@@ -86,6 +87,7 @@ def _load_deepspeed_checkpoint(folder: Path) -> dict[str, Any]:
 def module_from_checkpoint(path: str | os.PathLike) -> KVGateModule:
     """Rebuild the ``KVGateModule`` of a Lightning checkpoint: base loaded, trained tensors in."""
     ckpt = load_lightning_checkpoint(path)
+    check_finite(ckpt["state_dict"], f"{path}: not exported")  # before the base loads
     hparams = {k: v for k, v in ckpt["hyper_parameters"].items() if not k.startswith("_")}
     module = KVGateModule(**hparams)
     module.configure_model()

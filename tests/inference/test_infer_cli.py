@@ -191,3 +191,22 @@ def test_truncate_leaves_room_for_the_question_and_the_refusal_gives_a_length_th
     out, err = capsys.readouterr()
     assert f"context 0 cut to its last {keep} of {n} tokens" in err
     assert json.loads(out)["stats"]["context_tokens"] == keep
+
+
+def test_an_export_with_nan_gates_is_refused_in_one_line(cli, capsys, tmp_path):
+    """#64: a diverged run's NaN gates loaded and evicted at random."""
+    from training.kvtrain_fixtures import poison_gates, save_tiny_base
+
+    from kvgate.training.export import export_module
+    from kvgate.training.module import KVGateModule
+
+    module = KVGateModule(base_model=save_tiny_base(tmp_path / "base"), train="gates",
+                          image_every_n_steps=0)
+    module.configure_model()
+    out = export_module(module, tmp_path / "gated")
+    key = poison_gates(out)
+    assert cli.main(["--checkpoint", str(out), "--prompt", "hi", "--max-new-tokens", "2"]) == 2
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.startswith("error")]
+    assert len(lines) == 1 and "Traceback" not in err, err
+    assert f"gates.safetensors: tensor '{key}' holds NaN values" in lines[0]

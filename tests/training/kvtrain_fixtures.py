@@ -133,3 +133,24 @@ def with_callback(config: Path, callback: dict, out: Path) -> Path:
     cfg["trainer"]["callbacks"].append(callback)
     out.write_text(yaml.safe_dump(cfg))
     return out
+
+
+def poison_gates(folder: Path, value: float = float("nan")) -> str:
+    """Write ``value`` into one entry of a gated export's first gate tensor and list the new
+    file in its inventory (as a diverged run's export would be): only the values are wrong.
+    Returns the tensor's key."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    from kvgate.checkpoint import CONFIG_NAME, FORMAT, GATES_NAME, sha256_file
+
+    path = folder / GATES_NAME
+    tensors = load_file(str(path))
+    key = min(tensors)
+    tensors[key].view(-1)[0] = value
+    save_file(tensors, str(path), metadata={"format": FORMAT})
+    meta = json.loads((folder / CONFIG_NAME).read_text())
+    meta["files"][GATES_NAME] = {"bytes": path.stat().st_size, "sha256": sha256_file(path)}
+    (folder / CONFIG_NAME).write_text(json.dumps(meta))
+    return key
