@@ -270,3 +270,32 @@ def test_kvgate_infer_on_the_embedded_model(capsys):
     assert 0.0 < data["stats"]["kept_fraction"] <= 0.75
     assert load_script("infer.py").main(argv) == 0  # the root script: the same run
     assert json.loads(capsys.readouterr().out)["token_ids"] == data["token_ids"]
+
+
+@pytest.mark.parametrize("command", [("infer", "--prompt", "hi"),
+                                     ("eval", "calibrate", "--out", "{out}"),
+                                     ("eval", "mc", "--tasks", "rte", "--out", "{out}")],
+                         ids=["infer", "eval calibrate", "eval mc"])
+@pytest.mark.parametrize("kind", ["ckpt", "deepspeed"])
+def test_a_training_checkpoint_at_checkpoint_names_the_export_to_run(command, kind, capsys,
+                                                                     monkeypatch, tmp_path):
+    """#64 case 5: ``--checkpoint RUN/checkpoints/last.ckpt`` said "no such checkpoint folder"
+    of a file that exists."""
+    import kvgate.models
+
+    monkeypatch.setattr(kvgate.models, "load_base", lambda *a, **k: pytest.fail("loaded"))
+    folder = tmp_path / "run" / "checkpoints"
+    folder.mkdir(parents=True)
+    if kind == "ckpt":
+        ckpt = folder / "last.ckpt"
+        torch.save({"global_step": 3, "state_dict": {}}, ckpt)
+    else:  # a DeepSpeed checkpoint folder
+        ckpt = folder / "last.ckpt"
+        (ckpt / "checkpoint").mkdir(parents=True)
+        (ckpt / "latest").write_text("checkpoint")
+    argv = [a.format(out=tmp_path / "out") for a in command]
+    code, _, err = run(capsys, *argv, "--checkpoint", str(ckpt))
+    assert code == 2 and err.count("\n") == 1, err
+    assert err.startswith(f"error: {ckpt}: a training checkpoint (written by kvgate train)")
+    assert f"`kvgate export {ckpt} OUT`" in err
+    assert not (tmp_path / "out").exists()

@@ -48,7 +48,7 @@ from kvgate.checkpoint.format import (
     CheckpointError,
     is_gated_export,
 )
-from kvgate.checkpoint.guards import check_finite
+from kvgate.checkpoint.guards import check_finite, not_an_export
 from kvgate.checkpoint.place import (
     check_target,
     os_reason,
@@ -205,11 +205,9 @@ def read_meta(path: str | os.PathLike, verify: bool = True) -> dict[str, Any]:
     """Parse and check ``kvgate_config.json``; with ``verify`` also every listed file's
     size and sha256. Raises ``CheckpointError`` naming what is wrong."""
     root = Path(path)
-    if not root.is_dir():
-        raise CheckpointError(f"{root}: no such checkpoint folder")
     config = root / CONFIG_NAME
-    if not config.is_file():
-        raise CheckpointError(f"{root}: not a gated checkpoint ({CONFIG_NAME} is missing)")
+    if not config.is_file():  # every --checkpoint comes here: a .ckpt gets the export line
+        raise not_an_export(root)
     try:
         with open(config, encoding="utf-8") as f:
             meta = json.load(f)
