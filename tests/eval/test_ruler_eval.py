@@ -99,7 +99,7 @@ def test_ruler_end_to_end_resume_and_refusals(capsys, tiny, tmp_path):
 def test_lengths_past_the_model_and_bad_tasks_are_refused(capsys, tiny, tmp_path):
     code, _, err = cli(capsys, *BASE, "--lengths", "600", "--out", str(tmp_path / "a"))
     assert code == 2 and err.count("\n") == 1
-    assert "ruler niah_single_1 at length 600" in err and "use --lengths of at most" in err
+    assert "at length 600" in err and "use --lengths of at most" in err
     assert not (tmp_path / "a" / "results.json").exists()
     code, _, err = cli(capsys, *BASE, "--tasks", "niah_single_9", "--out", str(tmp_path / "b"))
     assert code == 2 and "unknown RULER task 'niah_single_9'" in err
@@ -333,3 +333,18 @@ def test_teacher_scores_and_paired_differences_reach_the_tables(capsys, tiny, tm
     md = (out / "results.md").read_text()
     assert md.count("vs full (paired)") == 2 and md.count("greedy-exact %") == 2
     assert "| +0.0 [0.0, 0.0] |" in md
+
+
+def test_the_first_refusal_gives_the_length_every_task_fits(capsys, tiny, tmp_path):
+    """Issue #64 case 8: --lengths 9000 said "at most 8,000", 8000 was then refused with
+    7,998, then 7,996, then 7,940 (another task's question each round). The first refusal
+    now gives a length at which every task asked fits, and it runs."""
+    argv = [*BASE[:4], "--tasks", "niah_single_1,vt,cwe,fwe", "--policies", "full", "--limit",
+            "2", "--max-new-tokens", "4", "--no-progress"]
+    code, _, err = cli(capsys, *argv, "--lengths", "700", "--out", str(tmp_path / "a"))
+    assert code == 2 and err.count("\n") == 1
+    fits = int(err.split("use --lengths of at most ")[1].split(" ")[0].rstrip("\n"))
+    code, _, err = cli(capsys, *argv, "--lengths", str(fits), "--out", str(tmp_path / "b"))
+    assert code == 0, err
+    code, _, err = cli(capsys, *argv, "--lengths", str(fits + 1), "--out", str(tmp_path / "c"))
+    assert code == 2 and f"use --lengths of at most {fits} (every task asked fits there)" in err

@@ -15,12 +15,13 @@ The answer is scored with RULER's metric of the task (``string_match_all`` /
 ``string_match_part``, in %); each example's record holds the answer text, the score, the kept
 share and the seconds of compress + answer. Keys: ``ruler|TASK@LENGTH|POLICY|BUDGET|MODE``.
 Every prompt (context, question, answer prefix and the tokens to generate) must fit the model's
-context: a length that does not is refused before anything is scored.
+context: a length that does not is refused before anything is scored, in one line giving the
+longest length at which every task asked fits.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from torch import nn
@@ -37,6 +38,7 @@ MAX_NEW_TOKENS = {**{t: 128 for t in NIAH}, "vt": 30, "cwe": 120, "fwe": 50, "qa
                   "qa_2": 32}
 NEEDLE_FAMILIES = tuple(NIAH)
 MODES = ("agnostic", "query-aware")
+MIN_LENGTH = 16  # the shortest --lengths (RulerConfig)
 
 
 def task_max_new_tokens(task: str, cap: int | None = None) -> int:
@@ -66,27 +68,60 @@ def _examples(task: str, tokenizer: Any, length: int, depths: Sequence[float], l
 
 def build_items(tokenizer: Any, task: str, length: int, depths: Sequence[float], limit: int,
                 seed: int = 0, chat: bool = True, max_new_cap: int | None = None,
-                model_limit: int | None = None, source: str = "generated") -> list[QAItem]:
-    """The ``limit`` examples of (task, length); ``InputTooLongError`` when a prompt and its
-    answer tokens overrun ``model_limit``."""
+                source: str = "generated") -> list[QAItem]:
+    """The ``limit`` examples of (task, length) (:func:`check_fit` checks them against the
+    model)."""
     items = []
     match = "any" if SCORING[task] == "string_match_part" else "all"
     for suffix, ex, depth, own_new in _examples(task, tokenizer, length, depths, limit, seed,
                                                 source):
         new = task_max_new_tokens(task, max_new_cap) if own_new is None else (
             own_new if max_new_cap is None else min(own_new, max_new_cap))
-        item = text_item(tokenizer, f"{task}@{length}:{suffix}", ex.context, ex.question,
-                         ex.answer_prefix, ex.answers, new, chat, match, {"depth": depth},
-                         {"task": ex.task})
-        total = len(item.ids) + new
-        if model_limit is not None and total > model_limit:
-            raise InputTooLongError(
-                f"ruler {task} at length {length:,}: the prompt has {len(item.ids):,}"
-                f" tokens + {new} new tokens = {total:,}; the model takes at most "
-                f"{model_limit:,} (max_position_embeddings): use --lengths of at most "
-                f"{max(0, length - (total - model_limit)):,}")
-        items.append(item)
+        items.append(text_item(tokenizer, f"{task}@{length}:{suffix}", ex.context, ex.question,
+                               ex.answer_prefix, ex.answers, new, chat, match,
+                               {"depth": depth}, {"task": ex.task}))
     return items
+
+
+def _need(item: QAItem) -> int:
+    """Positions an item takes: its prompt and the tokens it may generate."""
+    return len(item.ids) + item.question.max_new_tokens
+
+
+def check_fit(cells: Mapping[tuple[str, int], list[QAItem]], model_limit: int,
+              rebuild: Callable[[str, int], list[QAItem]] | None = None) -> None:
+    """``InputTooLongError`` when an item of ``cells`` ((task, length) -> items) overruns
+    ``model_limit``, naming the worst and the longest length at which every task fits.
+
+    Each task's question, answer prefix and tokens to generate take their own room, and it
+    differs by a few tokens between examples and lengths (other needles, other filler), so
+    the length is found, not guessed from one task: from the largest room any item needs,
+    then checked on the examples ``rebuild(task, length)`` makes there, lower while a task
+    overruns, higher while every one has room to spare; the longest length seen to fit is
+    given. Without ``rebuild`` (a dataset whose lengths are its own) the first estimate is."""
+    over = [(_need(it), task, length, it) for (task, length), items in cells.items()
+            for it in items if _need(it) > model_limit]
+    if not over:
+        return
+    need, task, length, item = max(over, key=lambda o: (o[0] - o[2], o[2]))
+    tasks = sorted({t for t, _ in cells})
+    fits = model_limit - max(_need(it) - n for (_, n), items in cells.items() for it in items)
+    tried: dict[int, int] = {}  # length -> the most positions any task's example needs there
+    while rebuild is not None and MIN_LENGTH <= fits and fits not in tried and len(tried) < 16:
+        tried[fits] = max(_need(it) for t in tasks for it in rebuild(t, fits))
+        if tried[fits] > model_limit:
+            fits -= tried[fits] - model_limit
+        elif tried[fits] < model_limit:  # room to spare here: a longer one may fit too
+            fits += max(1, (model_limit - tried[fits]) // 2)
+    if rebuild is not None:  # the longest length seen to fit, if any
+        fits = max((n for n, most in tried.items() if most <= model_limit), default=0)
+    advice = (f"use --lengths of at most {fits:,} (every task asked fits there)"
+              if fits >= MIN_LENGTH else "no --lengths fits: its question and answer alone "
+              f"take {need - length:,} of them")
+    raise InputTooLongError(
+        f"ruler {task} at length {length:,}: the prompt has {len(item.ids):,} tokens + "
+        f"{item.question.max_new_tokens} new tokens = {need:,}; the model takes at most "
+        f"{model_limit:,} (max_position_embeddings): {advice}")
 
 
 def ruler_score(item: QAItem, text: str) -> dict[str, Any]:
@@ -113,11 +148,15 @@ def evaluate_ruler(model: nn.Module, tokenizer: Any, tasks: Sequence[str],
             raise RulerError(f"unknown RULER task {task!r}; known: {', '.join(TASKS)}")
     if getattr(tokenizer, "pad_token", "") is None:
         tokenizer.pad_token = tokenizer.eos_token
-    model_limit = context_limit(model.config)
-    cells = [Cell(f"{task}@{length}", build_items(tokenizer, task, int(length), depths, limit,
-                                                  seed, chat, max_new_tokens, model_limit,
-                                                  source),
-                  {"family": task, "length": int(length)})
-             for length in lengths for task in tasks]
+    def items_of(task: str, length: int) -> list[QAItem]:
+        return build_items(tokenizer, task, length, depths, limit, seed, chat, max_new_tokens,
+                           source)
+
+    built = {(task, int(length)): items_of(task, int(length))
+             for length in lengths for task in tasks}
+    check_fit(built, context_limit(model.config),
+              items_of if source == "generated" else None)
+    cells = [Cell(f"{task}@{length}", items, {"family": task, "length": length})
+             for (task, length), items in built.items()]
     return run_qa(model, tokenizer, RULER, cells, policies, budgets, store,
                   query_aware=query_aware, scores=scores, progress=progress)
