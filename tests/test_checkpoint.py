@@ -384,3 +384,26 @@ def test_a_non_finite_lightning_checkpoint_is_not_exported_before_the_base_loads
     with pytest.raises(CheckpointError, match=rf"not exported: tensor '{first}' holds NaN"):
         export_checkpoint(ckpt, tmp_path / "out")
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("umask, folder, file", [(0o022, 0o755, 0o644), (0o077, 0o700, 0o600),
+                                                 (0o002, 0o775, 0o664)])
+def test_an_export_honours_the_umask(bases, tmp_path, umask, folder, file):
+    """#64 case 16: exports were 0700 folders and 0600 gate files whatever the umask
+    (tempfile.mkdtemp, and safetensors' own writes)."""
+    import os
+    import stat
+
+    module = trained_module(bases["llama"])
+    old = os.umask(umask)
+    try:
+        out = export_module(module, tmp_path / "gated")
+        export_module(module, out, overwrite=True)  # a replaced export too
+    finally:
+        os.umask(old)
+    modes = {p.relative_to(tmp_path).as_posix(): stat.S_IMODE(p.stat().st_mode)
+             for p in [out, *out.rglob("*")]}
+    assert (out / GATES_NAME).is_file() and (out / "adapter").is_dir()
+    wrong = {k: oct(m) for k, m in modes.items()
+             if m != (folder if (tmp_path / k).is_dir() else file)}
+    assert not wrong, wrong

@@ -28,7 +28,6 @@ import hashlib
 import json
 import os
 import shutil
-import tempfile
 from collections.abc import Iterable
 from datetime import datetime, timezone
 from pathlib import Path
@@ -52,10 +51,10 @@ from kvgate.checkpoint.guards import check_finite, not_an_export
 from kvgate.checkpoint.place import (
     check_target,
     os_reason,
-    owner,
     remove_stale_temporaries,
     replace,
-    temp_prefix,
+    share_as_umask,
+    temporary_folder,
 )
 from kvgate.models.load import check_device
 
@@ -145,7 +144,7 @@ def export_gated(model: nn.Module, out: str | os.PathLike, *, base_model: str, f
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
         remove_stale_temporaries(out)
-        tmp = Path(tempfile.mkdtemp(prefix=f"{temp_prefix(out)}{owner()}-", dir=out.parent))
+        tmp = temporary_folder(out)  # the umask's mode, not mkdtemp's 0700
     except OSError as err:
         raise CheckpointError(f"{out}: cannot write the export ({os_reason(err)})") from None
     try:
@@ -179,6 +178,7 @@ def export_gated(model: nn.Module, out: str | os.PathLike, *, base_model: str, f
         }
         with open(tmp / CONFIG_NAME, "w", encoding="utf-8") as f:
             json.dump(meta, f, indent=2, sort_keys=True, default=str)
+        share_as_umask(tmp)  # safetensors writes 0600 files
         replace(tmp, out)
     except OSError as err:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -9,10 +9,13 @@ exported, a folder of other files) is refused in one line naming why: a typo suc
 
 from __future__ import annotations
 
+import errno
 import os
 import re
+import secrets
 import shutil
 import socket
+import stat
 import tempfile
 import time
 from collections.abc import Iterable
@@ -67,6 +70,31 @@ def owner() -> str:
 
 def temp_prefix(out: Path) -> str:
     return f".{out.name}.tmp-"
+
+
+def temporary_folder(out: Path) -> Path:
+    """A new empty ``.NAME.tmp-PID@HOST-XXXXXXXX`` beside ``out``, made by a plain ``mkdir``
+    so that its mode is what the umask gives a new folder (``tempfile.mkdtemp`` makes 0700,
+    which the export used to keep)."""
+    for _ in range(100):
+        path = out.parent / f"{temp_prefix(out)}{owner()}-{secrets.token_hex(4)}"
+        try:
+            path.mkdir()
+        except FileExistsError:
+            continue
+        return path
+    raise FileExistsError(errno.EEXIST, "no free temporary name", str(out.parent))
+
+
+def share_as_umask(root: Path) -> None:
+    """Give every file and folder under ``root`` the mode a plain create would have under
+    this process's umask: writers such as safetensors make their files 0600 whatever it is.
+    ``root`` came from ``temporary_folder``, so its own mode is that of a new folder, and a
+    new file's is the same without the execute bits."""
+    folder = stat.S_IMODE(root.stat().st_mode)
+    for path in root.rglob("*"):
+        if not path.is_symlink():
+            os.chmod(path, folder if path.is_dir() else folder & 0o666)
 
 
 def _pid_alive(pid: int) -> bool:
