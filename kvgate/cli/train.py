@@ -26,7 +26,8 @@ a lock left by a killed run is taken over with a warning line.
 (highest global step recorded inside, then newest file; ``last.ckpt`` need not exist, as after
 a kill between a step checkpoint and ``last.ckpt``) and says which; with no checkpoint yet it
 starts from step 0 and says so (so a restart script can always pass it); when every checkpoint
-there is damaged it refuses. Any resume checkpoint is checked against its sha256 sidecar and
+there is damaged it refuses. A damaged one it skips is renamed ``NAME.damaged`` (one warning
+line), so the run's own ``last.ckpt`` takes its place rather than ``last-v1.ckpt`` beside it. Any resume checkpoint is checked against its sha256 sidecar and
 read before the trainer creates a folder (``kvgate.training.integrity``), and must have been
 written with this run's gate and LoRA shapes (``model.train``, ``model.gate.heads``,
 ``model.lora.rank``, ...: one line naming the field otherwise). A run without ``--ckpt_path``

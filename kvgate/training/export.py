@@ -20,7 +20,12 @@ from kvgate.checkpoint import CONFIG_NAME, CheckpointError, export_gated, is_gat
 from kvgate.checkpoint.guards import check_finite
 from kvgate.checkpoint.place import check_target
 from kvgate.files import check_output_dir
-from kvgate.training.integrity import brief_error, verify_checkpoint, warn_unverified
+from kvgate.training.integrity import (
+    better_checkpoint,
+    brief_error,
+    verify_checkpoint,
+    warn_unverified,
+)
 from kvgate.training.module import CKPT_KEY, KVGateModule
 
 
@@ -56,12 +61,15 @@ def load_lightning_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
                                   "DeepSpeed checkpoint folder; give a .ckpt file written by "
                                   "kvgate train (e.g. RUN/checkpoints/last.ckpt)")
         return _load_deepspeed_checkpoint(path)
-    verified = verify_checkpoint(path, warn_missing=False)  # against its sha256 sidecar
+    try:
+        verified = verify_checkpoint(path, warn_missing=False)  # against its sha256 sidecar
+    except CheckpointError as err:
+        raise CheckpointError(f"{err}{better_checkpoint(path)}") from None
     try:
         ckpt = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as err:  # noqa: BLE001 - torch raises many types for a damaged file
         raise CheckpointError(f"{path}: not a readable Lightning checkpoint, truncated or "
-                              f"damaged ({brief_error(err)})") from None
+                              f"damaged ({brief_error(err)}){better_checkpoint(path)}") from None
     if not isinstance(ckpt, dict) or "state_dict" not in ckpt or "hyper_parameters" not in ckpt:
         raise CheckpointError(f"{path}: not a KVGateModule checkpoint (no state_dict/hyper_parameters)")
     if not verified:

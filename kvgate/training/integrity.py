@@ -11,7 +11,9 @@ between the two leaves a checkpoint without a sidecar, never one with a stale si
 
 ``verify_checkpoint`` (resume and export) refuses a file whose sha256 does not match its
 sidecar; a checkpoint without sidecar (older runs, or a kill right after the save) is accepted
-with one warning line. DeepSpeed checkpoints are folders written by DeepSpeed itself: they get
+with one warning line. The damaged files ``--ckpt_path last`` skips are renamed
+``NAME.damaged`` once the run resumes (``set_aside``), so its saves take their names; an export
+refused for a damaged file names the valid checkpoint beside it (``better_checkpoint``). DeepSpeed checkpoints are folders written by DeepSpeed itself: they get
 no sidecar and are not verified.
 """
 
@@ -28,12 +30,12 @@ from lightning.fabric.plugins import TorchCheckpointIO
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint, OnExceptionCheckpoint
 
 from kvgate.checkpoint import CheckpointError, sha256_file
-from kvgate.training.errors import note, warn
+from kvgate.training.errors import launch_rank, note, warn
 
-__all__ = ["SIDECAR_SUFFIX", "ChecksumCheckpoints", "ChecksummedCheckpointIO", "brief_error",
-           "checkpoint_folders", "checkpoint_step", "load_mmap",
-           "newest_checkpoint", "resume_path", "sidecar_path", "verify_checkpoint", "warn_unverified",
-           "write_sidecar"]
+__all__ = ["SIDECAR_SUFFIX", "ChecksumCheckpoints", "ChecksummedCheckpointIO", "better_checkpoint",
+           "brief_error", "checkpoint_folders", "checkpoint_step", "load_mmap",
+           "newest_checkpoint", "resume_path", "set_aside", "sidecar_path", "verify_checkpoint",
+           "warn_unverified", "write_sidecar"]
 
 SIDECAR_SUFFIX = ".sha256"
 _WARNED: set[str] = set()  # checkpoints already reported as unverified (one line each)
@@ -114,7 +116,7 @@ def brief_error(err: BaseException) -> str:
     return text.split(". ")[0]
 
 
-def checkpoint_step(path: str | os.PathLike) -> int:
+def checkpoint_step(path: str | os.PathLike, warn_missing: bool = True) -> int:
     """The global step recorded in the Lightning checkpoint ``path``, after checking it
     (``verify_checkpoint``) and reading it (tensors memory-mapped, not read); -1 for a
     DeepSpeed folder. ``CheckpointError`` naming the file when it is damaged."""
@@ -130,16 +132,18 @@ def checkpoint_step(path: str | os.PathLike) -> int:
     step = ckpt.get("global_step") if isinstance(ckpt, dict) else None
     if not isinstance(step, int):
         raise CheckpointError(f"{path}: not a Lightning checkpoint (no global_step)")
-    if not verified:
+    if not verified and warn_missing:
         warn_unverified(path)
     return step
 
 
 def newest_checkpoint(folders: Iterable[str | os.PathLike],
-                      files: Iterable[str | os.PathLike] = ()) -> tuple[Path, int] | None:
+                      files: Iterable[str | os.PathLike] = (), damaged: list[Path] | None = None,
+                      quiet: bool = False) -> tuple[Path, int] | None:
     """The valid checkpoint of highest global step (then newest mtime) among the ``*.ckpt`` of
     ``folders`` and the existing ``files`` -> (path, step); None when there is none at all.
-    Damaged ones are skipped with a warning line; ``CheckpointError`` when all are damaged."""
+    Damaged ones are skipped with a warning line (none when ``quiet``) and added to
+    ``damaged``; ``CheckpointError`` when all are damaged."""
     candidates = {Path(f) for f in files if Path(f).exists()}
     for folder in map(Path, folders):
         if folder.is_dir():
@@ -150,10 +154,13 @@ def newest_checkpoint(folders: Iterable[str | os.PathLike],
     valid, problems = [], []
     for path in sorted(candidates):
         try:
-            step = checkpoint_step(path)
+            step = checkpoint_step(path, warn_missing=not quiet)
         except CheckpointError as err:
             problems.append(str(err))
-            warn(f"skipping {err}")
+            if damaged is not None:
+                damaged.append(path)
+            if not quiet:
+                warn(f"skipping {err}")
             continue
         valid.append((step, path.stat().st_mtime, path))
     if not valid:
@@ -193,8 +200,9 @@ def resume_path(trainer: Any, ckpt_path: str | None,
         return ckpt_path
     if ckpt_path == "last":
         folders, files = checkpoint_folders(trainer)
+        damaged: list[Path] = []
         try:
-            found = newest_checkpoint(folders, files)
+            found = newest_checkpoint(folders, files, damaged)
         except CheckpointError as err:
             raise CheckpointError(f"--ckpt_path last: {err}") from None
         if found is None:
@@ -204,6 +212,7 @@ def resume_path(trainer: Any, ckpt_path: str | None,
         path, step = found
         if fits is not None:
             fits(str(path))
+        set_aside(damaged)
         at = f"global step {step}" if step >= 0 else "a DeepSpeed folder: the newest"
         note(f"--ckpt_path last: resuming from {path} ({at})")
         return str(path)
@@ -211,6 +220,45 @@ def resume_path(trainer: Any, ckpt_path: str | None,
     if fits is not None:
         fits(str(ckpt_path))
     return str(ckpt_path)
+
+
+def set_aside(damaged: Iterable[Path]) -> None:
+    """Rename each damaged checkpoint file to ``NAME.damaged`` (its sidecar removed), with a
+    warning line. Left in place, a damaged ``last.ckpt`` made the resumed run write
+    ``last-v1.ckpt`` beside it, and ``kvgate export RUN/checkpoints/last.ckpt`` then read the
+    damaged one; set aside, the run's own saves take its name."""
+    if launch_rank() != 0:
+        return  # rank 0 resolved the resume and set them aside before the others started
+    for path in damaged:
+        if path.is_dir():
+            continue
+        aside = path.with_name(f"{path.name}.damaged")
+        try:
+            os.replace(path, aside)
+        except FileNotFoundError:
+            continue
+        sidecar_path(path).unlink(missing_ok=True)
+        warn(f"{path} is damaged: renamed {aside.name}, so that this run's {path.name} "
+             "takes its place")
+
+
+def better_checkpoint(path: str | os.PathLike) -> str:
+    """For the error about the damaged or missing checkpoint ``path``: the valid checkpoint
+    beside it to use instead (highest step, then newest), as ``"; ..."``; "" when none."""
+    path = Path(path)
+    if not path.parent.is_dir():
+        return ""
+    others = [p for p in path.parent.iterdir() if p.suffix == ".ckpt" and p != path
+              and not p.name.startswith(".")]
+    try:
+        found = newest_checkpoint([], others, quiet=True)
+    except CheckpointError:
+        return ""
+    if found is None:
+        return ""
+    good, step = found
+    at = f"global step {step}" if step >= 0 else "a DeepSpeed folder"
+    return f"; the newest valid checkpoint beside it is {good.name} ({at}): kvgate export {good} OUT"
 
 
 class ChecksummedCheckpointIO(TorchCheckpointIO):

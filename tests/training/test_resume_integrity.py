@@ -266,3 +266,47 @@ def test_a_resume_checkpoint_of_other_shapes_is_one_line_before_fit(override, fi
     line = one_error_line(capsys)
     assert line.startswith(f"error: --ckpt_path {run / 'checkpoints'}") and field in line
     assert not (run / "tb").exists()  # refused before fit made the logger's folder
+
+
+# ------------------------------------------------------------------------------- issue #64
+def test_a_damaged_last_ckpt_is_set_aside_so_the_resumed_run_writes_a_good_one(trained, tmp_path,
+                                                                               capsys):
+    """#64 case 10: resuming past a 0-byte last.ckpt wrote last-v1.ckpt beside it, and the
+    documented ``kvgate export RUN/checkpoints/last.ckpt`` read the damaged one."""
+    config = trained[0]
+    run = copy_run(trained, tmp_path)
+    ckpts = run / "checkpoints"
+    (ckpts / "last.ckpt").write_bytes(b"")  # a full disk; its sidecar is of the old file
+    assert main(["--config", str(config), "--run_dir", str(run), "--ckpt_path", "last",
+                 "--trainer.max_steps", "5"]) == 0
+    names = sorted(p.name for p in ckpts.iterdir())
+    assert not [n for n in names if "-v" in n], names  # no last-v1.ckpt beside it
+    err = capsys.readouterr().err
+    assert f"resuming from {ckpts / 'epoch=0-step=3.ckpt'} (global step 3)" in err
+    assert f"warning: {ckpts / 'last.ckpt'} is damaged: renamed last.ckpt.damaged" in err
+    assert "last.ckpt.damaged" in names and (ckpts / "last.ckpt.damaged").stat().st_size == 0
+    assert torch.load(ckpts / "last.ckpt", weights_only=True)["global_step"] == 5
+    assert export_main([str(ckpts / "last.ckpt"), str(tmp_path / "out")]) == 0
+    assert load_gated(tmp_path / "out")[2]["training"]["global_step"] == 5
+
+
+@pytest.mark.parametrize("sidecar", [True, False])
+def test_an_export_of_a_damaged_checkpoint_names_the_valid_one_beside_it(sidecar, trained,
+                                                                         tmp_path, capsys):
+    """#64 case 10: the refusal of a damaged last.ckpt did not name the last-v1.ckpt that an
+    earlier resume had written beside it."""
+    folder = tmp_path / "checkpoints"
+    folder.mkdir()
+    good = trained[1] / "checkpoints" / "last.ckpt"
+    shutil.copy(good, folder / "last-v1.ckpt")
+    write_sidecar(folder / "last-v1.ckpt")
+    fake_checkpoint(folder / "epoch=0-step=1.ckpt", 1)  # valid, but an older step
+    (folder / "last.ckpt").write_bytes(b"")
+    if sidecar:
+        shutil.copy(sidecar_path(good), sidecar_path(folder / "last.ckpt"))
+    assert export_main([str(folder / "last.ckpt"), str(tmp_path / "out")]) == 2
+    line = one_error_line(capsys)
+    assert line.startswith(f"error: {folder / 'last.ckpt'}: ")
+    assert ("the newest valid checkpoint beside it is last-v1.ckpt (global step 3): "
+            f"kvgate export {folder / 'last-v1.ckpt'} OUT") in line
+    assert not (tmp_path / "out").exists()
