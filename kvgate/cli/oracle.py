@@ -3,7 +3,9 @@
 The config is the training run's own (``kvgate train --config NAME`` reads the same file): the
 base (``model.base_model``, ``model.dtype``), the blocks (the ``data`` module, a
 ``CPTDataModule``) and where the labels go with which KVzip (``data.init_args.oracle``). Run it
-again after a kill: it continues.
+again after a kill: it continues. ``--devices N`` (and ``--num-nodes``) label data-parallel:
+Lightning's DDP launches N processes, each labels its share of the blocks into the same folder
+(``kvgate.data.oracle.compute``); on the CPU they talk through gloo.
 """
 
 from __future__ import annotations
@@ -34,13 +36,31 @@ def data_module(config: dict[str, Any]) -> Any:
     return cls(**(data.get("init_args") or {}))
 
 
-def run(config_arg: str, device: str = "cpu") -> int:
+def trainer_for(device: str, devices: int, num_nodes: int) -> Any:
+    """The labelling Trainer for ``--device`` (``cpu``, ``cuda`` or ``cuda:K``), ``--devices``
+    and ``--num-nodes``; a count below 1 is one line."""
+    from kvgate.data.oracle.compute import labelling_trainer
+    from kvgate.models.load import check_device
+
+    for flag, value in (("--devices", devices), ("--num-nodes", num_nodes)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise OracleError(f"{flag}: must be an integer >= 1 (got {value!r})")
+    check_device(device)
+    accelerator, _, index = str(device).partition(":")
+    if index and devices > 1:
+        raise OracleError(f"--device {device} names one GPU; give --device cuda with --devices "
+                          f"{devices}")
+    return labelling_trainer(accelerator, [int(index)] if index else devices, num_nodes)
+
+
+def run(config_arg: str, device: str = "cpu", devices: int = 1, num_nodes: int = 1) -> int:
     import yaml
 
     from kvgate.cli.train import check_config_files, resolve_config_args
     from kvgate.files import check_output_dir
     from kvgate.models import load_base
 
+    trainer = trainer_for(device, devices, num_nodes)  # bad counts fail before anything is read
     argv = resolve_config_args(["--config", config_arg])
     check_config_files(argv)
     with open(argv[1], encoding="utf-8") as f:
@@ -52,8 +72,9 @@ def run(config_arg: str, device: str = "cpu") -> int:
     check_output_dir(data.oracle.path, "data.init_args.oracle.path")
     model_cfg = config.get("model") or {}
     base = model_cfg.get("base_model", "smollm2-135m")
-    model, tokenizer = load_base(base, dtype=model_cfg.get("dtype", "float32"), device=device)
+    # loaded on the CPU: the Trainer moves it to each process's device
+    model, tokenizer = load_base(base, dtype=model_cfg.get("dtype", "float32"))
     from kvgate.data.oracle.compute import label_data
 
-    label_data(model, tokenizer, data, str(base), partial(print, flush=True))
+    label_data(model, tokenizer, data, str(base), partial(print, flush=True), trainer)
     return 0

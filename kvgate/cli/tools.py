@@ -48,7 +48,12 @@ def add_data_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
                     "continues.")
     o.add_argument("--config", required=True, metavar="NAME",
                    help="the training config (a file, or NAME for configs/NAME.yaml)")
-    o.add_argument("--device", default="cpu", help="torch device (default cpu)")
+    o.add_argument("--device", default="cpu", help="cpu, cuda or cuda:K (default cpu)")
+    o.add_argument("--devices", type=int, default=1, metavar="N",
+                   help="processes per node, each labelling its share of the blocks (DDP; on "
+                        "the CPU through gloo); default 1")
+    o.add_argument("--num-nodes", type=int, default=1, metavar="N",
+                   help="nodes of a multi-node run (Lightning's DDP environment); default 1")
     o.add_argument("--debug", action="store_true", help="show tracebacks")
     o.set_defaults(run=run_oracle)
     return p
@@ -57,7 +62,8 @@ def add_data_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
 def run_oracle(args: argparse.Namespace) -> int:
     from kvgate.cli.oracle import run
 
-    return run(args.config, device=args.device)
+    return run(args.config, device=args.device, devices=args.devices,
+               num_nodes=args.num_nodes)
 
 
 def run_data(args: argparse.Namespace) -> int:

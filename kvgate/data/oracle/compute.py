@@ -7,15 +7,24 @@ is evicted (``kvgate.cache.passes.running_scores``). No second KVzip lives here:
 says is exactly what the policy would rank.
 
 One block per forward, in order: a block's labels never depend on which blocks share its
-batch, so a resumed run writes what an unbroken one does.
+batch or which process computes them, so a resumed run, and a run over N processes, write what
+one unbroken process does.
+
+The run is Lightning's predict loop (``label_data(..., trainer=...)``): with one device it runs
+in this process; under DDP (``devices`` > 1 or several nodes, e.g. ``--devices 2`` on the CPU
+with gloo) each rank takes every N-th missing shard and writes it into the shared folder, and
+rank 0 merges the ranks' records into one manifest at the end (``LabelStore.merge``).
 """
 
 from __future__ import annotations
 
+import logging
+import signal
 import time
 from collections.abc import Callable
 from typing import Any
 
+import lightning as L
 import torch
 from torch import Tensor
 
@@ -45,35 +54,117 @@ def log_scores(scores: Tensor) -> Tensor:
     return scores.clamp(min=1e-30).log().clamp(min=LOG_FLOOR)
 
 
-def compute_labels(model: Any, tokenizer: Any, blocks: Tensor, settings: OracleLabels,
-                   identity: dict[str, Any],
-                   progress: Callable[[str], None] = print) -> LabelStore:
-    """Labels of every block ``blocks[:, :context]`` (``identity['layout']['context']``) into
-    ``settings.path``, continuing where a run before stopped."""
-    store = LabelStore(settings.path)
-    done = store.begin(identity)
-    total = int(blocks.shape[0])
-    context = int(identity["layout"]["context"])
+def shard_labels(model: Any, tokenizer: Any, blocks: Tensor, settings: OracleLabels,
+                 context: int) -> Tensor:
+    """``[k, L, H_kv, context]`` log scores of ``blocks`` [k, seq_len], one forward a block."""
     device = next(model.parameters()).device
-    if done == total:
-        progress(f"{store.path}: all {total} blocks were done")
-    elif done:
-        progress(f"{store.path}: {done} of {total} blocks were done; continuing")
-    t0 = time.perf_counter()
-    for start in range(done, total, settings.shard_blocks):  # a loop over shards
-        stop = min(total, start + settings.shard_blocks)
-        rows = [log_scores(block_scores(model, tokenizer, blocks[i:i + 1, :context].to(device),
-                                        settings))[0].cpu()
-                for i in range(start, stop)]  # a loop over blocks: one forward each
-        store.write_shard(start, torch.stack(rows))
-        rate = (time.perf_counter() - t0) / (stop - done)
-        progress(f"blocks {stop}/{total} ({rate:.1f} s/block, ~{rate * (total - stop) / 60:.0f} "
+    return torch.stack([log_scores(block_scores(model, tokenizer, row[None, :context].to(device),
+                                                settings))[0].cpu()
+                        for row in blocks])  # a loop over blocks: one forward each
+
+
+class Labeller(L.LightningModule):
+    """Lightning's view of a labelling run: each predict item is one shard index of this rank
+    (-1: nothing, so that every rank runs as many steps and meets the barriers)."""
+
+    def __init__(self, model: Any, tokenizer: Any, blocks: Tensor, settings: OracleLabels,
+                 identity: dict[str, Any], progress: Callable[[str], None]) -> None:
+        super().__init__()
+        self.base = model  # a submodule, so Lightning moves it to each rank's device
+        self.tokenizer, self.blocks, self.settings = tokenizer, blocks, settings
+        self.identity, self.progress = identity, progress
+        self.store = LabelStore(settings.path)
+        self.mine: list[int] = []
+        self.t0 = 0.0
+
+    def say(self, line: str) -> None:
+        world = self.trainer.world_size
+        self.progress(f"[rank {self.global_rank}/{world}] {line}" if world > 1 else line)
+
+    def setup(self, stage: str) -> None:
+        total = int(self.blocks.shape[0])
+        if self.global_rank == 0:
+            meta = self.store.begin(self.identity, self.settings.shard_blocks, self.progress)
+            if meta["done"] == total:
+                self.progress(f"{self.store.path}: all {total} blocks were done")
+            elif meta["done"]:
+                self.progress(f"{self.store.path}: {meta['done']} of {total} blocks were done; "
+                              "continuing")
+        self.trainer.strategy.barrier("oracle-begin")
+        pending = self.store.pending(total)
+        world, rank = self.trainer.world_size, self.global_rank
+        steps = max(1, -(-len(pending) // world))  # every rank runs as many steps
+        mine = pending[rank::world]
+        self.mine = mine + [-1] * (steps - len(mine))
+        self.t0 = time.perf_counter()
+
+    def predict_dataloader(self) -> Any:
+        return torch.utils.data.DataLoader(self.mine, batch_size=None, shuffle=False)
+
+    def predict_step(self, index: Any, batch_idx: int) -> None:
+        index = int(index)
+        if index < 0:
+            return
+        k = int(self.store.manifest()["shard_blocks"])
+        rows = self.blocks[index * k:(index + 1) * k]
+        labels = shard_labels(self.base, self.tokenizer, rows, self.settings,
+                              int(self.identity["layout"]["context"]))
+        record = self.store.write_shard(index, labels, self.global_rank)
+        real = [i for i in self.mine if i >= 0]
+        done = batch_idx + 1
+        rate = (time.perf_counter() - self.t0) / done
+        self.say(f"blocks {record['start']}-{record['stop'] - 1} done; shard {done}/{len(real)}"
+                 f" of this process ({rate:.0f} s/shard, ~{rate * (len(real) - done) / 60:.0f} "
                  "min left)")
-    return store
+
+    def on_predict_end(self) -> None:
+        self.trainer.strategy.barrier("oracle-end")
+        if self.global_rank == 0:
+            self.store.merge(self.progress)
+
+
+def labelling_trainer(accelerator: str = "cpu", devices: int | str = 1, num_nodes: int = 1,
+                      strategy: str = "auto") -> L.Trainer:
+    """The Trainer of a labelling run: no logger, checkpoints or bar (the labeller prints a
+    line per shard); ``devices`` > 1 or ``num_nodes`` > 1 runs DDP (gloo on the CPU)."""
+    if strategy == "auto" and (num_nodes > 1 or devices not in (1, "1")):
+        strategy = "ddp"
+    return L.Trainer(accelerator=accelerator, devices=devices, num_nodes=num_nodes,
+                     strategy=strategy, logger=False, enable_checkpointing=False,
+                     enable_progress_bar=False, enable_model_summary=False,
+                     use_distributed_sampler=False, inference_mode=False)
+
+
+def compute_labels(model: Any, tokenizer: Any, blocks: Tensor, settings: OracleLabels,
+                   identity: dict[str, Any], progress: Callable[[str], None] = print,
+                   trainer: L.Trainer | None = None) -> LabelStore:
+    """Labels of every block ``blocks[:, :context]`` (``identity['layout']['context']``) into
+    ``settings.path``, continuing where a run before stopped (one CPU process unless
+    ``trainer`` says otherwise: ``labelling_trainer``)."""
+    labeller = Labeller(model, tokenizer, blocks, settings, identity, progress)
+    trainer = trainer or labelling_trainer()
+    lightning_log = logging.getLogger("lightning.pytorch")
+    level = lightning_log.level
+    lightning_log.setLevel(logging.WARNING)  # its device and tip lines say nothing about labels
+    try:
+        trainer.predict(labeller, return_predictions=False)
+    except SystemExit:
+        # Lightning answers Ctrl-C with exit status 1 and SIGINT ignored from then on: give the
+        # interrupt back, so the command line's one interrupt path reports it (exit 130)
+        if trainer.interrupted:
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+            if trainer.world_size == 1:  # the finished shards counted now (DDP: by the rerun)
+                labeller.store.merge(lambda _line: None)
+            raise KeyboardInterrupt from None
+        raise
+    finally:
+        lightning_log.setLevel(level)
+    return labeller.store
 
 
 def label_data(model: Any, tokenizer: Any, data: Any, base: str,
-               progress: Callable[[str], None] = print) -> LabelStore:
+               progress: Callable[[str], None] = print,
+               trainer: L.Trainer | None = None) -> LabelStore:
     """The oracle labels of a CPT data module's training blocks (``data.oracle`` says where and
     with which KVzip; ``data.train_blocks``, ``label_context`` and ``describe`` what they are)
     on ``model``, the base named ``base``."""
@@ -92,6 +183,6 @@ def label_data(model: Any, tokenizer: Any, data: Any, base: str,
     }
     progress(f"oracle labels: {layout['blocks']} blocks x {layout['context']} tokens of {base} "
              f"({'KVzip+' if data.oracle.plus else 'KVzip'}) -> {data.oracle.path}")
-    store = compute_labels(model, tokenizer, blocks, data.oracle, identity, progress)
+    store = compute_labels(model, tokenizer, blocks, data.oracle, identity, progress, trainer)
     progress(f"done: {store.manifest_path}")
     return store
