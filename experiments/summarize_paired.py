@@ -10,8 +10,9 @@ and paired differences to the full cache and to the best single heuristic.
 Rows: every (folder, policy, budget) at ``--budget`` (and budget-free rows such as a gate at its
 trained threshold), a folder given as NAME=DIR prefixing its policies with NAME. Per length:
 the mean over families (each family's mean, then their average) with a 95% interval
-(bootstrap within each family), n = examples, and the paired difference on the examples both
-rows hold (per-example differences resampled within each family: ``kvgate.eval.paired``) to
+(``kvgate.eval.intervals.share_interval``: Wilson's at an effective size, never of zero width at
+0 or 100%), n = examples, and the paired difference on the examples both rows hold (its
+interval ``kvgate.eval.paired``'s: MOVER, Newcombe's method 10 for one family) to
 the full cache and to the best single heuristic: the heuristic row with the highest average
 at that length (``--heuristics`` lists which rows count). Families: those where the full
 cache scores >= 30% at every length (``--min-full``). A second table gives each family
@@ -29,7 +30,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kvgate.eval.intervals import stratified_interval
+from kvgate.eval.intervals import share_interval
 from kvgate.eval.paired import paired_difference
 
 HEURISTICS = ("streaming", "h2o", "tova", "snapkv", "knorm", "adakv", "tova_g", "snapkv_g",
@@ -65,7 +66,7 @@ def average(cells, row, families, length):
               for f in families if (row, f, length) in cells]
     if len(groups) < len(families):
         return None
-    lo, hi = stratified_interval(groups)
+    lo, hi = share_interval(groups)
     return {"mean": sum(sum(g) / len(g) for g in groups) / len(groups), "lo": lo, "hi": hi,
             "n": sum(map(len, groups)),
             "evict": sum(cells[(row, f, length)].get("evict_pct", 0.0) for f in families)

@@ -8,7 +8,7 @@ A folder given as NAME=DIR prefixes its gate rows with NAME (two gates both run 
 `attention_gate`). Prints: one row per policy with a column per length and eviction level (25 /
 50 / 75 %: the budgets 0.75 / 0.5 / 0.25 kept; a gate at its own keep threshold goes to the
 level nearest its eviction, which the cell gives); the average over the task families per (policy, budget, mode) and
-length, with its 95% interval (bootstrap within each family), %Evict and the seconds per
+length, with its 95% interval (``kvgate.eval.intervals.share_interval``), %Evict and the seconds per
 example (not side by side: the runs shared the machine with different jobs; the ratios to the
 full cache are bench/bench_long_context.py's); the per-family scores at one budget; and the issue-#34 targets:
 per length, on the families where the full cache scores >= 30%, each gate minus the best
@@ -25,7 +25,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kvgate.eval.intervals import stratified_interval
+from kvgate.eval.intervals import paired_share_interval, share_interval
 
 GATES = ("attention_gate", "gate_hybrid")
 
@@ -82,8 +82,8 @@ def wide_table(cell: dict, settings: list, tasks: list[str], lengths: list[int])
             if any(g is None for g in got):
                 continue
             ev = sum(g["evict_pct"] for g in got) / len(got)
-            lo, hi = stratified_interval([[float(e["score"]) for e in g["ex"].values()]
-                                          for g in got])
+            lo, hi = share_interval([[float(e["score"]) for e in g["ex"].values()]
+                                     for g in got])
             acc = sum(g["acc"] for g in got) / len(got)
             text = f"{fmt(acc, 0)} [{fmt(lo, 0)}, {fmt(hi, 0)}]"
             if budget == "none" and label != "full":
@@ -133,7 +133,7 @@ def main(argv=None) -> None:
                 cols += ["-", "-", "-"]
                 continue
             groups = [[float(e["score"]) for e in g["ex"].values()] for g in got]
-            lo, hi = stratified_interval(groups)
+            lo, hi = share_interval(groups)
             acc = sum(g["acc"] for g in got) / len(got)
             ev = sum(g["evict_pct"] for g in got) / len(got)
             secs = sum(g["sec_per_example"] for g in got) / len(got)
@@ -175,7 +175,7 @@ def main(argv=None) -> None:
                     continue
                 h, s = max(cand, key=lambda hs: sum(hs[1].values()) / len(hs[1]))
                 common = sorted(set(g) & set(s))
-                diffs.append([g[k] - s[k] for k in common])
+                diffs.append([(g[k], s[k]) for k in common])
                 m_g = sum(g[k] for k in common) / len(common)
                 m_h = sum(s[k] for k in common) / len(common)
                 at_or_above += m_g >= m_h
@@ -183,8 +183,8 @@ def main(argv=None) -> None:
                 gate_acc.append(m_g)
             if not diffs:
                 continue
-            gap = sum(sum(d) / len(d) for d in diffs) / len(diffs)
-            lo, hi = stratified_interval(diffs)
+            gap = sum(sum(a - b for a, b in d) / len(d) for d in diffs) / len(diffs)
+            lo, hi = paired_share_interval(diffs)
             print(f"| {label} | {n} | {len(diffs)} | {fmt(sum(gate_acc) / len(gate_acc))} | "
                   f"{'; '.join(best_names)} | {fmt(gap)} [{fmt(lo)}, {fmt(hi)}] | "
                   f"{at_or_above}/{len(diffs)} |")

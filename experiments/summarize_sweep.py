@@ -10,8 +10,8 @@ each budget, with its paired gap to the best single heuristic at that budget.
 Folders as in ``summarize_paired.py`` (NAME=DIR prefixes its policies with NAME). A budget-free
 row (a gate at a dialled threshold) has no budget of its own: ``--place ROW=BUDGET`` puts it in
 that budget's column (its %Evict is printed beside it); other budget-free rows but ``full``
-are left out. Scores are the mean over families with a 95% interval (bootstrap within each
-family) and n; gaps are paired on the examples both rows hold (``kvgate.eval.paired``), to
+are left out. Scores are the mean over families with a 95% interval (``share_interval``, as
+in ``summarize_paired.py``) and n; gaps are paired on the examples both rows hold (``kvgate.eval.paired``), to
 the best heuristic at that budget and, with ``--ref ROW``, to that row.
 """
 

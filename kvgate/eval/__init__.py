@@ -14,7 +14,7 @@
 - :mod:`.asked`: one example asked after compression, or with its question compressed too;
 - :mod:`.teacher`: answers scored in one forward (mean log-likelihood, greedy-exact);
 - :mod:`.paired`: each row's difference to a reference policy on the same examples;
-- :mod:`.intervals`: 95% intervals (Wilson, bootstrap) of mean scores;
+- :mod:`.intervals`: 95% intervals (Wilson's, of shares at 0-100% too) of mean scores;
 - :mod:`.report`: resumable results JSON, markdown table, plots;
 - :mod:`.identity`: what a stored result is checked against before it is reused (the model,
   every score-changing setting, each example's tokens);

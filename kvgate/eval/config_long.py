@@ -41,7 +41,7 @@ def score_opt() -> Any:
 
 def paired_opt() -> Any:
     return opt(None, "a policy label: each row also gets its score less that policy's on the "
-               "same examples, with a paired bootstrap interval (per family and averaged)",
+               "same examples, with a paired interval (per family and averaged)",
                metavar="POLICY")
 
 

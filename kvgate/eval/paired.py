@@ -1,11 +1,13 @@
 """Paired differences (``--paired POLICY``): a row's score less the reference policy's on the
-same examples, with a seeded paired bootstrap interval.
+same examples, with a paired 95% interval.
 
 Two policies scored on the same examples differ by less noise than their two intervals
-suggest: resampling the per-example differences (within each task family, so an average over
-families is the mean of the family means, as the tables' averages are) gives the interval of
-the gap itself. A policy against itself differs by 0 on every example, so its interval is
-[0, 0].
+suggest: the interval of the gap itself joins the two means' intervals with their correlation
+on the examples (:func:`kvgate.eval.intervals.paired_share_interval`: MOVER, Newcombe's method
+10 for hits; the mean over task families of the family differences, as the tables' averages
+are). It holds at 0 and 100%: two policies that both answer all 96 examples differ by 0 [-3.8,
++3.8], not [0, 0] as a paired bootstrap said, since either could have missed one. A policy
+against itself (the same records) differs by exactly 0, so its interval is [0, 0].
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from kvgate.eval.intervals import stratified_interval
+from kvgate.eval.intervals import paired_share_interval
 from kvgate.eval.report import ResultStore, make_key, split_key
 
 Row = Mapping[str, Any]
@@ -23,18 +25,22 @@ Row = Mapping[str, Any]
 def paired_difference(rows: Sequence[Row], reference: Sequence[Row],
                       seed: int = 0) -> dict[str, Any]:
     """Mean over families of ``rows[i]`` less ``reference[i]`` (records of the same family)
-    on the examples both hold, and its 95% paired bootstrap interval (in points)."""
+    on the examples both hold, and its 95% paired interval (in points; ``seed`` is kept for
+    callers of the bootstrap it replaced)."""
     groups = []
     for mine, ref in zip(rows, reference):
         theirs = ref.get("examples", {})
-        groups.append([float(e["score"]) - float(theirs[uid]["score"])
+        groups.append([(float(e["score"]), float(theirs[uid]["score"]))
                        for uid, e in mine.get("examples", {}).items() if uid in theirs])
     groups = [g for g in groups if g]
     if not groups:
         return {"n": 0, "diff": math.nan, "ci_low": math.nan, "ci_high": math.nan}
-    lo, hi = stratified_interval(groups, seed=seed)
-    return {"n": sum(map(len, groups)), "diff": sum(sum(g) / len(g) for g in groups) / len(groups),
-            "ci_low": lo, "ci_high": hi}
+    diff = sum(sum(a - b for a, b in g) / len(g) for g in groups) / len(groups)
+    if all(mine is ref for mine, ref in zip(rows, reference)):
+        lo = hi = 0.0  # the reference against itself: nothing could have gone otherwise
+    else:
+        lo, hi = paired_share_interval(groups)
+    return {"n": sum(map(len, groups)), "diff": diff, "ci_low": lo, "ci_high": hi}
 
 
 def average_paired(rows: Sequence[Row], groups: Mapping[tuple, Sequence[Row]], setting: tuple,

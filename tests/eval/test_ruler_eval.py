@@ -348,3 +348,28 @@ def test_the_first_refusal_gives_the_length_every_task_fits(capsys, tiny, tmp_pa
     assert code == 0, err
     code, _, err = cli(capsys, *argv, "--lengths", str(fits + 1), "--out", str(tmp_path / "c"))
     assert code == 2 and f"use --lengths of at most {fits} (every task asked fits there)" in err
+
+
+def test_averaged_rows_at_the_edges_have_intervals_of_width():
+    """Issue #64 case 9: at --limit 2 every family at 100 printed "100.0-100.0" and a paired
+    gap of 100 "[100, 100]" from two examples a family."""
+    from kvgate.eval.ruler.report import averages, ruler_markdown
+
+    def rec(policy, budget, family, score):
+        return {"kind": "ruler", "family": family, "length": 300, "policy": policy,
+                "budget": budget, "mode": "agnostic", "n": 2, "acc": score, "ci_low": 0.0,
+                "ci_high": 100.0, "evict_pct": 0.0, "sec_per_example": 1.0,
+                "examples": {f"{family}:{i}": {"score": score} for i in range(2)},
+                **({"paired": {"policy": "full", "n": 2, "diff": -100.0, "ci_low": -100.0,
+                                "ci_high": -20.0}} if policy != "full" else {})}
+
+    rows = [rec("full", "none", f, 100.0) for f in ("vt", "cwe")] + [
+        rec("snapkv", "0.5", f, 0.0) for f in ("vt", "cwe")]
+    avg = {a["policy"]: a for a in averages(rows)}
+    full, snap = avg["full"], avg["snapkv"]
+    assert full["ci_low"] == pytest.approx(wilson(4, 4)[0]) and full["ci_high"] == 100.0
+    assert snap["ci_low"] == 0.0 and snap["ci_high"] == pytest.approx(wilson(0, 4)[1])
+    gap = snap["paired"]
+    assert gap["diff"] == -100.0 and gap["ci_low"] == pytest.approx(-100.0)
+    assert -100.0 < gap["ci_high"] < -25.0
+    assert "100.0-100.0" not in ruler_markdown(rows)

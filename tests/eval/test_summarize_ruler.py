@@ -64,7 +64,8 @@ def test_wide_table_one_row_per_policy_by_eviction_level(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "| policy | 1024 @25% | 1024 @50% | 1024 @75% |" in out
     assert "| full |  | 67 [" in out
-    assert "| snapkv | 100 [100, 100] | 33 [" in out and "| 0 [0, 0] |" in out
+    # 3 of 3 and 0 of 3 are not certain: Wilson's [44, 100] and [0, 56] (#64 case 9)
+    assert "| snapkv | 100 [44, 100] | 33 [" in out and "| 0 [0, 56] |" in out
     row = next(line for line in out.splitlines() if line.startswith("| long gate (threshold)"))
     cells = row.split(" | ")[1:]
     assert cells[0] == "-" and cells[1].startswith("67 [") and cells[1].endswith("@50%")

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from kvgate.eval.columns import fmt
-from kvgate.eval.intervals import stratified_interval
+from kvgate.eval.intervals import share_interval
 
 Row = dict[str, Any]
 BUCKETS = ("0-4k", "4-8k", "8k+")
@@ -24,8 +24,9 @@ def _longbench(results: Sequence[Row]) -> list[Row]:
 
 def averages(results: Sequence[Row]) -> list[Row]:
     """One row per (policy, budget, mode): the mean of its task scores, the 95% interval of that
-    mean (bootstrap within each task), %Evict, seconds per example and their ratio to the full
-    cache's over the same tasks and mode (where ``full`` ran them); with ``--score teacher``
+    mean (:func:`kvgate.eval.intervals.share_interval`, never of zero width at 0 or 100%),
+    %Evict, seconds per example and their ratio to the full cache's over the same tasks and
+    mode (where ``full`` ran them); with ``--score teacher``
     the mean greedy-exact score and agreement, with ``--paired`` the paired difference of the
     average (tasks matched one to one)."""
     from kvgate.eval.columns import mean_of
@@ -37,7 +38,7 @@ def averages(results: Sequence[Row]) -> list[Row]:
     out = []
     for (policy, budget, mode), rows in sorted(groups.items()):
         scores = [[float(e["score"]) for e in r.get("examples", {}).values()] for r in rows]
-        lo, hi = stratified_interval(scores)
+        lo, hi = share_interval(scores)
         out.append({"policy": policy, "budget": budget, "mode": mode, "tasks": len(rows),
                     "task_set": frozenset(r["task"] for r in rows),
                     "n": sum(r["n"] for r in rows),

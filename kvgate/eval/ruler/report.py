@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from kvgate.eval.columns import fmt, mean_of
-from kvgate.eval.intervals import stratified_interval
+from kvgate.eval.intervals import share_interval
 
 Row = dict[str, Any]
 
@@ -30,15 +30,16 @@ def _group(rows: Sequence[Row]) -> dict[tuple[int, str, str, str], list[Row]]:
 
 def averages(results: Sequence[Row]) -> list[Row]:
     """One row per (length, policy, budget, mode): the mean of the family scores, its 95%
-    interval (bootstrap within each family), %Evict, seconds per example and their ratio to the
-    full cache's at the same length and mode (where ``full`` ran)."""
+    interval (Wilson's at an effective size, :func:`kvgate.eval.intervals.share_interval`: never
+    of zero width at 0 or 100%), %Evict, seconds per example and their ratio to the full
+    cache's at the same length and mode (where ``full`` ran)."""
     from kvgate.eval.paired import average_paired  # paired reads the store: report's module
 
     groups = _group(_ruler(results))
     out = []
     for (length, policy, budget, mode), rows in sorted(groups.items()):
         scores = [[float(e["score"]) for e in r.get("examples", {}).values()] for r in rows]
-        lo, hi = stratified_interval(scores)
+        lo, hi = share_interval(scores)
         secs = sum(r["sec_per_example"] for r in rows) / len(rows)
         out.append({"length": length, "policy": policy, "budget": budget, "mode": mode,
                     "families": len(rows), "n": sum(r["n"] for r in rows),
