@@ -331,7 +331,7 @@ def run_ppl(cfg: PPLConfig, load: Loader | None = None) -> EvalOutput:
                      mode=cfg.mode, max_length=cfg.max_length, prefix=cfg.prefix,
                      batch_size=cfg.batch_size, progress=cfg.progress, context=cfg.context,
                      continuation=cfg.continuation, windows=cfg.windows,
-                     truncate=cfg.truncate, step=cfg.step)
+                     truncate=cfg.truncate, step=cfg.step, from_files=bool(cfg.text_files))
     return _finish(store)
 
 

@@ -63,13 +63,14 @@ def ppl_items(tokenizer: Any, texts: Sequence[str], max_length: int = 512,
 
 def ppl_window_items(tokenizer: Any, texts: Sequence[str], context: int, continuation: int,
                      windows: int | None = None, name: str = "corpus",
-                     limit: int | None = None) -> list[ScoringItem]:
+                     limit: int | None = None, from_files: bool = False) -> list[ScoringItem]:
     """Fixed-length items from the texts joined into one token stream (each text encoded with
     the tokenizer's own specials, then an EOS if it has one): non-overlapping windows of
     ``context + continuation`` tokens, the first ``context`` compressed, the rest scored. Every
     item then has exactly the requested context, which per-text cuts cannot promise. A window
     longer than the model's ``limit`` positions is refused (never cut: its size is the
-    setting)."""
+    setting), as are texts too short for the windows asked, with advice for where they came
+    from: ``from_files`` (``--text-files``) or the corpus (``--docs``)."""
     if context < 1 or continuation < 1:
         raise EvalError(f"ppl context and continuation must be >= 1, got {context} and "
                         f"{continuation}")
@@ -90,15 +91,29 @@ def ppl_window_items(tokenizer: Any, texts: Sequence[str], context: int, continu
             break
     count = len(stream) // span if windows is None else min(windows, len(stream) // span)
     if count == 0 or (windows is not None and count < windows):
-        raise EvalError(f"the texts hold {len(stream)} tokens: too few for "
-                        f"{windows or 1} window(s) of {context} + {continuation}; pass more "
-                        "--docs or a smaller --windows")
+        raise EvalError(_too_short(len(stream), count, windows, context, continuation,
+                                   from_files))
     items = []
     for i in range(count):
         ids = stream[i * span:(i + 1) * span]
         items.append(ScoringItem(f"{name}:w{i}", tuple(ids[:context]), (tuple(ids[context:]),),
                                  0, (continuation,)))
     return items
+
+
+def _too_short(tokens: int, count: int, windows: int | None, context: int, continuation: int,
+               from_files: bool) -> str:
+    """Why the texts hold too few windows, and what would give more: more text (longer
+    --text-files, or more --docs of the corpus), fewer windows, or smaller ones."""
+    held = (f"--text-files: the files hold {tokens:,} tokens" if from_files
+            else f"--docs: the corpus' texts hold {tokens:,} tokens")
+    ways = ["give longer or more files" if from_files else "pass more --docs"]
+    if count:  # some windows fit: asking for no more than those is a way too
+        ways.append(f"--windows {count}")
+    ways.append("a smaller --context / --continuation")
+    return (f"{held}, too few for {windows or 1} window(s) of --context {context:,} + "
+            f"--continuation {continuation:,} = {context + continuation:,}; "
+            f"{', '.join(ways[:-1])} or {ways[-1]}")
 
 
 def ppl_summary(records: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
@@ -121,20 +136,22 @@ def evaluate_ppl(model: nn.Module, tokenizer: Any, texts: Sequence[str],
                  name: str = "corpus", batch_size: int = 4, progress: bool = True,
                  context: int | None = None, continuation: int | None = None,
                  windows: int | None = None, truncate: bool = False,
-                 step: int | None = None) -> list[str]:
+                 step: int | None = None, from_files: bool = False) -> list[str]:
     """Perplexity of the second part of each text given its compressed first part; with
     ``context``, of fixed windows of the joined texts instead (``ppl_window_items``). Inputs
     longer than the model's context are refused, or (texts, with ``truncate``) cut. ``step``
     (cache mode): the continuation is fed that many tokens per forward with an eviction round
     after each, so a decode-evicting policy (H2O, TOVA, StreamingLLM, a local gate) scores it
-    while holding its capacity, as it would while generating."""
+    while holding its capacity, as it would while generating. ``from_files``: the texts are
+    ``--text-files``' (what a refusal advises)."""
     check_mode(mode)
     if step is not None and mode != "cache":
         raise EvalError("ppl --step feeds the continuation through a real cache: use --mode cache")
     continuation = continuation or context
     limit = context_limit(model.config)
     if context is not None:
-        items = ppl_window_items(tokenizer, texts, context, continuation, windows, name, limit)
+        items = ppl_window_items(tokenizer, texts, context, continuation, windows, name, limit,
+                                 from_files)
         extra = {"context": context, "continuation": continuation}
     else:
         items = ppl_items(tokenizer, texts, max_length, prefix, name, limit, truncate)
