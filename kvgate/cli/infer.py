@@ -12,7 +12,9 @@ with an end-of-turn at once. To ask such a model, compress a ``--context-file`` 
 ``--question`` after it, through the chat template.
 
 ``--budget`` is a ratio of each prompt's real length (0.5 keeps half the entries of every KV
-head) or, as an integer > 1, a token count. ``--prompt-file`` holds one prompt per line.
+head) or, as an integer > 1, a token count; the full cache and a thresholded gate set their own
+eviction, so with them it has no effect (a warning line says so, and the statistics claim no
+budget). ``--prompt-file`` holds one prompt per line.
 Errors in the arguments, the policy, the budget, the device or the checkpoint print one line
 and exit 2, as does a prompt longer than the model's context (``--truncate`` cuts it instead).
 """
@@ -60,8 +62,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--policy", default=None,
                    help="eviction policy name (default: with --checkpoint, local_gate for a "
                         "local gate kind (mlp, linear) and attention_gate otherwise; else full)")
-    p.add_argument("--budget", default="1.0",
-                   help="kept entries per KV head: ratio in (0, 1] or tokens > 1 (default 1.0)")
+    p.add_argument("--budget", default=None,
+                   help="kept entries per KV head: ratio in (0, 1] or tokens > 1 (default 1.0); "
+                        "no effect with a policy that sets its own eviction (full, a "
+                        "thresholded gate)")
     p.add_argument("--decode-budget", default=None,
                    help="capacity while decoding (decode-evicting policies); default: the "
                         "per-head count after the prefill")
@@ -163,7 +167,7 @@ def run(args: argparse.Namespace) -> int:
     from kvgate.policies.registry import gate_policy_name
 
     # everything that can be checked without the model is checked first (fast errors)
-    budget = Budget.parse(args.budget)
+    budget = Budget.parse("1.0" if args.budget is None else args.budget)
     decode_budget = _parse_decode_budget(args.decode_budget)
     name = args.policy or (gate_policy_name(gate_kind(args.checkpoint)) if args.checkpoint
                            else "full")
@@ -183,6 +187,13 @@ def run(args: argparse.Namespace) -> int:
               "need --device cuda); decoding as without it", file=sys.stderr)
     compress_cli.check_cli_arguments(args)
     prompts = None if args.context_file else _read_prompts(args)
+    if policy.budget_free and args.budget is not None:  # every check passed: one line
+        # the full cache keeps everything and a gate what its scores keep: say so, rather than
+        # let the statistics read as if the budget had been applied
+        dial = (f"; --policy-opt {name}.tau sets how much it evicts" if hasattr(policy, "tau")
+                else "")
+        print(f"warning: --budget {args.budget} has no effect with policy {policy.name!r}, "
+              f"which sets its own eviction{dial}", file=sys.stderr)
     model, tokenizer = _load(args)
     engine = Engine(model, tokenizer, policy, budget, decode_budget=decode_budget, attn=args.attn,
                     truncate=args.truncate, graphs=args.cuda_graphs)

@@ -382,7 +382,7 @@ def run_cli(engine: Any, args: Any) -> int:
     t0 = time.perf_counter()
     answers = answer(engine, compressed, args.question, args.max_new_tokens, args.answer_prefix)
     answer_ms = 1000.0 * (time.perf_counter() - t0)
-    stats = {"policy": engine.policy.name, "budget": engine.budget.describe(),
+    stats = {"policy": engine.policy.name, "budget": budget_text(engine.policy, engine.budget),
              "chat": compressed.chat, "context_tokens": compressed.lengths[0],
              "kept_fraction": compressed.kept_fraction,
              "kept_fraction_per_layer": compressed.kept_fraction_per_layer,
@@ -403,6 +403,13 @@ def run_cli(engine: Any, args: Any) -> int:
             ("answers", f"{answer_ms:.1f} ms for {len(answers)}")]
     print(two_columns(rows))
     return 0
+
+
+def budget_text(policy: Any, budget: Any) -> str:
+    """The budget as the statistics say it: a policy that sets its own eviction
+    (``budget_free``: the full cache, a thresholded gate) keeps what its rule keeps, whatever
+    ``budget`` holds, so none is claimed for it."""
+    return "no budget: its own rule" if policy.budget_free else budget.describe()
 
 
 def bytes_held_text(held: int, full: int) -> str:

@@ -16,7 +16,13 @@ from torch import Tensor, nn
 
 from kvgate.attention.masks import left_pad
 from kvgate.cache import CompressedCache
-from kvgate.inference.compress import CompressedContext, bytes_held_text, run_passes, two_columns
+from kvgate.inference.compress import (
+    CompressedContext,
+    budget_text,
+    bytes_held_text,
+    run_passes,
+    two_columns,
+)
 from kvgate.inference.compress import answer as answer_questions
 from kvgate.inference.compress import compress as compress_contexts
 from kvgate.inference.decode import decode, left_padded_positions, until_eos
@@ -215,7 +221,7 @@ class Engine:
             prefill_ms=1000.0 * prefill_s,
             decode_tokens_per_s=(steps * batch / decode_s) if steps and decode_s > 0 else 0.0,
             policy=self.policy.name,
-            budget=self.budget.describe(),
+            budget=budget_text(self.policy, self.budget),
         )
         prompt_ids = [row[m.bool()].tolist() for row, m in zip(ids, mask[:, :ids.shape[1]])]
         return GenerationResult(texts, token_ids, stats, prompt_ids)
