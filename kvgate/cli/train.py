@@ -52,6 +52,7 @@ import re
 import shutil
 import sys
 import warnings
+from itertools import pairwise
 from pathlib import Path
 
 import yaml
@@ -278,6 +279,7 @@ def main(argv: list[str] | None = None, prog: str = "train.py") -> int:
     """``kvgate train ...`` / ``python train.py ...``: 0 after training, 2 on a user error,
     128 + the signal's number after a SIGTERM / SIGINT stop (a checkpoint written first)."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    argv_given = list(argv)
     # ours, not config keys: taken out before LightningCLI parses
     debug, overwrite = "--debug" in argv, "--overwrite" in argv
     argv = resolve_config_args([a for a in argv if a not in ("--debug", "--overwrite")])
@@ -318,7 +320,11 @@ def main(argv: list[str] | None = None, prog: str = "train.py") -> int:
         # a run refused before its first step leaves no log folder of its own behind
         if created is not None and cli is not None and cli.trainer.global_step == 0:
             shutil.rmtree(created, ignore_errors=True)
-        print(f"error: {first_line(cause)}", file=sys.stderr)
+        line = first_line(cause)
+        given = [b for a, b in pairwise(argv_given) if a == "--config"]
+        if given:  # a label refusal's advice names the config this run was given
+            line = line.replace("--config CONFIG", f"--config {given[-1]}")
+        print(f"error: {line}", file=sys.stderr)
         return 2
     return 0
 

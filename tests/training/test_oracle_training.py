@@ -219,3 +219,81 @@ def test_a_gates_only_step_runs_the_model_without_autograd_and_trains_the_gates(
         other = KVGateModule(base_model=base_dir, train="gates", image_every_n_steps=0,
                              recipe=recipe)
         assert not other.gates_only_step()
+
+
+def test_damaged_labels_are_named_recomputed_by_the_oracle_and_refused_by_training(
+        base_dir, tmp_path, capsys):
+    """#64 cases 2 and 4: a shard overwritten with NaN (a valid file, other bytes) and a
+    truncated shard are caught by their recorded sha256 / size: training refuses with the
+    exact command, which then computes those two shards again, naming them."""
+    from safetensors.torch import load_file, save_file
+
+    import train
+
+    config = tiny_config(tmp_path, base_dir)
+    cfg = yaml.safe_load(config.read_text())
+    cfg["model"]["train"] = "gates"
+    cfg["model"]["recipe"] = {"lm_weight": 0.0, "oracle_weight": 1.0}
+    cfg["data"]["init_args"] |= {"n_docs": 6, "seq_len": 24,
+                                 "oracle": {"path": str(tmp_path / "labels"), "chunk": 16,
+                                            "shard_blocks": 2}}
+    config.write_text(yaml.safe_dump(cfg))
+    assert kvgate_main(["data", "oracle", "--config", str(config)]) == 0
+    store = LabelStore(tmp_path / "labels")
+    whole = store.read().clone()
+    assert len(store.manifest()["shards"]) >= 2
+    first, second = (store.path / s["file"] for s in store.manifest()["shards"][:2])
+    labels = load_file(first)["log_scores"]
+    save_file({"log_scores": torch.full_like(labels, float("nan"))}, first)
+    second.write_bytes(second.read_bytes()[:100])
+    capsys.readouterr()
+
+    assert train.main(["--config", str(config)]) == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if "error" in line]
+    assert len(errors) == 1
+    err = errors[0]
+    assert err.startswith("error: ") and "sha256" in err and first.name in err
+    assert f"run kvgate data oracle --config {config}" in err
+    assert not (tmp_path / "run" / "gated").exists()
+
+    assert kvgate_main(["data", "oracle", "--config", str(config)]) == 0
+    out = capsys.readouterr().out
+    assert f"{first}" in out and "sha256 differs" in out and "computing it again" in out
+    assert f"{second}" in out and "bytes" in out
+    assert torch.equal(store.read(), whole)
+
+
+def test_non_finite_labels_are_never_written(base_dir, tmp_path, monkeypatch):
+    from kvgate.data.oracle import compute
+
+    monkeypatch.setattr(compute, "block_scores",
+                        lambda *a, **k: torch.full((1, 2, 2, 24), float("nan")))
+    model, tok = build(tiny_llama_config()), char_tokenizer()
+    with pytest.raises(OracleError, match=r"^block 0: the base's KVzip scores are not finite"):
+        label_data(model, tok, oracle_data(tmp_path / "labels"), base_dir, lambda line: None)
+    assert not list((tmp_path / "labels").glob("shard-*"))
+
+
+def test_a_folder_of_the_first_format_is_adopted_without_recomputing(base_dir, tmp_path,
+                                                                     monkeypatch):
+    """Labels written before sizes and hashes were recorded are checked (whole, finite) and
+    kept: no block is labelled again, and the manifest then records them."""
+    import json
+
+    from kvgate.data.oracle import compute
+
+    model, tok = build(tiny_llama_config()), char_tokenizer()
+    data = oracle_data(tmp_path / "labels")
+    data.oracle.shard_blocks = 1
+    label_data(model, tok, data, base_dir, lambda line: None)
+    store = LabelStore(tmp_path / "labels")
+    meta = store.manifest()
+    old = {**meta, "version": 1, "shards": [{k: s[k] for k in ("file", "start", "stop")}
+                                            for s in meta["shards"]]}
+    del old["shard_blocks"]
+    store.manifest_path.write_text(json.dumps(old))
+    monkeypatch.setattr(compute, "block_scores", lambda *a, **k: pytest.fail("relabelled"))
+    lines = []
+    label_data(model, tok, data, base_dir, lines.append)
+    assert any(f"adopted {len(meta['shards'])} shard(s)" in line for line in lines)
+    assert store.manifest()["shards"] == meta["shards"] and store.manifest()["version"] == 2
