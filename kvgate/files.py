@@ -12,6 +12,7 @@ after the whole computation).
 
 from __future__ import annotations
 
+import hashlib
 import os
 import tempfile
 from pathlib import Path
@@ -23,6 +24,16 @@ __all__ = ["UserFileError", "check_output_dir", "read_user_text"]
 
 class UserFileError(KVGateError, ValueError):
     """A file the user named cannot be read as text, or an output path cannot be a folder."""
+
+
+def sha256_file(path: str | os.PathLike) -> str:
+    """Hex sha256 of a file, read in 1 MiB chunks (what checkpoints and label shards record
+    to tell a whole file from a damaged or replaced one)."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
 
 
 def _label(what: str, path: Path) -> str:

@@ -24,7 +24,6 @@ This module never imports the training package: inference depends on it alone.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -36,6 +35,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from kvgate.checkpoint.fetch import checkpoint_folder
 from kvgate.checkpoint.format import (
     ADAPTER_DIR,
     CONFIG_NAME,
@@ -48,6 +48,8 @@ from kvgate.checkpoint.format import (
     is_gated_export,
 )
 from kvgate.checkpoint.guards import check_finite, not_an_export
+from kvgate.checkpoint.kvzap import MODEL_TYPE as KVZAP
+from kvgate.checkpoint.kvzap import export_kvzap, kvzap_config, kvzap_meta, load_kvzap_gates
 from kvgate.checkpoint.place import (
     check_target,
     os_reason,
@@ -56,24 +58,16 @@ from kvgate.checkpoint.place import (
     share_as_umask,
     temporary_folder,
 )
+from kvgate.files import sha256_file
 from kvgate.models.load import check_device
 
 __all__ = ["ADAPTER_DIR", "CONFIG_NAME", "FORMAT", "FORMAT_VERSION", "GATES_NAME", "MERGED_DIR",
-           "TOKENIZER_DIR", "CheckpointError", "check_base", "export_gated", "gate_kind",
-           "gate_state", "is_gated_export", "load_gate_weights", "load_gated", "merged_state",
-           "read_meta", "remove_stale_temporaries", "sha256_file"]
+           "TOKENIZER_DIR", "CheckpointError", "check_base", "export_gated", "export_kvzap",
+           "gate_kind", "gate_state", "is_gated_export", "load_gate_weights", "load_gated",
+           "merged_state", "read_meta", "remove_stale_temporaries", "sha256_file"]
 
 
 # ----------------------------------------------------------------------------- helpers
-def sha256_file(path: str | os.PathLike) -> str:
-    """Hex sha256 of a file, read in 1 MiB chunks."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
 def _inventory(root: Path) -> dict[str, dict[str, Any]]:
     """Size and sha256 of every file under ``root`` except the config, by relative path."""
     files = {}
@@ -204,7 +198,10 @@ def _architecture(model: nn.Module) -> dict[str, Any] | None:
 def read_meta(path: str | os.PathLike, verify: bool = True) -> dict[str, Any]:
     """Parse and check ``kvgate_config.json``; with ``verify`` also every listed file's
     size and sha256. Raises ``CheckpointError`` naming what is wrong."""
-    root = Path(path)
+    root = checkpoint_folder(path)  # a hub id is fetched (once) here
+    kvzap = kvzap_config(root)
+    if kvzap is not None:  # NVIDIA's KVzap scorers: served as local gates (kvzap.py)
+        return kvzap_meta(root, kvzap)
     config = root / CONFIG_NAME
     if not config.is_file():  # every --checkpoint comes here: a .ckpt gets the export line
         raise not_an_export(root)
@@ -326,11 +323,14 @@ def load_gate_weights(model: nn.Module, path: str | os.PathLike) -> None:
 def load_gated(path: str | os.PathLike, base: Any = None, dtype: torch.dtype | str = torch.float32,
                device: str | torch.device = "cpu", merge_lora: bool = True,
                verify: bool = True) -> tuple[nn.Module, Any, dict[str, Any]]:
-    """Rebuild a gated model from an exported folder -> (model, tokenizer, meta).
+    """Rebuild a gated model from an exported folder, a KVzap checkpoint folder (NVIDIA's
+    published scorers, served as local gates: ``kvgate.checkpoint.kvzap``) or a hub id of
+    either -> (model, tokenizer, meta).
 
-    base: None (load the recorded base id), a name/path for ``kvgate.models.load_base``, a
-    loaded model, or a (model, tokenizer) pair. Its architecture fingerprint must match the
-    checkpoint's. dtype: of the base weights (gates stay fp32). merge_lora: fold LoRA into
+    base: None (load the recorded base id; a published KVzap checkpoint records none), a
+    name/path for ``kvgate.models.load_base``, a loaded model, or a (model, tokenizer) pair.
+    Its architecture must match the checkpoint's (a KVzap checkpoint's layers, hidden size and
+    KV heads). dtype: of the base weights (gates stay fp32). merge_lora: fold LoRA into
     the weights and return a plain transformers model (default; faster, and what the cache
     and engine expect); False keeps peft's wrapper, whose logits equal training's bit for bit.
     Raises ``CheckpointError`` on a mismatched base, a missing/corrupt file or an unknown
@@ -341,8 +341,16 @@ def load_gated(path: str | os.PathLike, base: Any = None, dtype: torch.dtype | s
     from kvgate.gate import GateConfig, patch
 
     check_device(device)  # before anything is read: torch would fail late, in a traceback
-    root = Path(path)
+    root = checkpoint_folder(path)
     meta = read_meta(root, verify=verify)
+    if meta["format"] == KVZAP:
+        if base is None and meta["base"]["id"] is None:
+            raise CheckpointError(f"{path}: a KVzap checkpoint names no base model: pass "
+                                  "base= (Python) or --base (command line)")
+        model, tokenizer = _load_base_for(meta, root, base, dtype)
+        load_kvzap_gates(model, root, kvzap_config(root))
+        model.requires_grad_(False)
+        return model.to(device).eval(), tokenizer, meta
     model, tokenizer = _load_base_for(meta, root, base, dtype)
     check_base(meta, root, model)
     if meta.get("lora"):

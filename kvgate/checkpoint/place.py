@@ -18,7 +18,7 @@ import socket
 import stat
 import tempfile
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from kvgate.checkpoint.format import CheckpointError, is_gated_export
@@ -29,10 +29,11 @@ _OWNED = re.compile(r"(?P<pid>\d+)@(?P<host>.+)-[^-]*$")  # PID@HOST-XXXX (mkdte
 STALE_UNOWNED_S = 86400.0  # a temporary without owner untouched this long is a dead one
 
 
-def check_target(out: Path, overwrite: bool, inputs: Iterable[str | os.PathLike] = ()) -> None:
+def check_target(out: Path, overwrite: bool, inputs: Iterable[str | os.PathLike] = (),
+                 owned: Callable[[Path], bool] = is_gated_export) -> None:
     """``CheckpointError`` unless an export may be written to ``out``: a new path, or with
-    ``overwrite`` an existing gated export or empty folder that holds none of ``inputs`` (the
-    files the export reads)."""
+    ``overwrite`` an existing export (``owned``: a gated export, or a KVzap folder for that
+    format) or empty folder that holds none of ``inputs`` (the files the export reads)."""
     if not out.exists() and not out.is_symlink():
         return
     if not overwrite:
@@ -47,7 +48,7 @@ def check_target(out: Path, overwrite: bool, inputs: Iterable[str | os.PathLike]
         if source == target or target in source.parents:
             raise CheckpointError(f"{out}: holds the checkpoint being exported ({path}); "
                                   f"{refuse}: export to another folder (e.g. {out / 'gated'})")
-    if is_gated_export(out) or not any(out.iterdir()):
+    if owned(out) or not any(out.iterdir()):
         return
     marks = [name for name in _RUN_MARKS if (out / name).exists()]
     if marks or any(out.rglob("*.ckpt")):

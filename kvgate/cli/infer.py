@@ -58,7 +58,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--model", help="base model: alias (smollm2-135m), local folder, .gguf, "
                                      "or hub id")
-    src.add_argument("--checkpoint", help="exported gated checkpoint folder")
+    src.add_argument("--checkpoint", help="exported gated checkpoint folder, a KVzap checkpoint "
+                                          "folder, or a hub id of either")
+    p.add_argument("--base", default=None,
+                   help="the base model under --checkpoint when the checkpoint names none (a "
+                        "published KVzap checkpoint, e.g. nvidia/KVzap-mlp-Qwen3-8B on "
+                        "Qwen/Qwen3-8B)")
     p.add_argument("--policy", default=None,
                    help="eviction policy name (default: with --checkpoint, local_gate for a "
                         "local gate kind (mlp, linear) and attention_gate otherwise; else full)")
@@ -150,7 +155,8 @@ def _load(args: argparse.Namespace):
             from kvgate.checkpoint import load_gated
         except ImportError as exc:
             raise CliError(f"--checkpoint needs kvgate.checkpoint.load_gated ({exc})") from None
-        model, tokenizer, _ = load_gated(args.checkpoint, dtype=args.dtype, device=args.device)
+        model, tokenizer, _ = load_gated(args.checkpoint, base=args.base, dtype=args.dtype,
+                                         device=args.device)
         return model, tokenizer
     from kvgate.models import load_base
 
@@ -186,6 +192,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"warning: --cuda-graphs has no effect on the {args.device.upper()} (CUDA graphs "
               "need --device cuda); decoding as without it", file=sys.stderr)
     compress_cli.check_cli_arguments(args)
+    if args.base is not None and args.checkpoint is None:
+        raise CliError("--base names the base under --checkpoint; with --model leave it out")
     prompts = None if args.context_file else _read_prompts(args)
     if policy.budget_free and args.budget is not None:  # every check passed: one line
         # the full cache keeps everything and a gate what its scores keep: say so, rather than

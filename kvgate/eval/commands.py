@@ -76,10 +76,12 @@ def load_model(cfg: EvalConfig) -> Loaded:
             raise EvalError(f"--others-on base: {cfg.checkpoint} has no LoRA adapter, so its "
                             "model is the base already; leave the option out")
         # the adapter must stay a separate peft module for the others to switch it off
-        model, tokenizer, meta = load_gated(cfg.checkpoint, dtype=cfg.dtype, device=cfg.device,
-                                            merge_lora=not on_base)
-        base = meta.get("base", {}).get("id")
-        store_meta = {"model": base, "checkpoint": str(Path(cfg.checkpoint).resolve()),
+        model, tokenizer, meta = load_gated(cfg.checkpoint, base=cfg.base, dtype=cfg.dtype,
+                                            device=cfg.device, merge_lora=not on_base)
+        base = meta.get("base", {}).get("id") or cfg.base
+        where = Path(cfg.checkpoint)  # a hub id stays as it is spelled
+        store_meta = {"model": base,
+                      "checkpoint": str(where.resolve()) if where.exists() else cfg.checkpoint,
                       "weights": _digest(meta.get("files", {}))}
         if on_base:  # kept apart from folders whose others ran with the adapter
             store_meta["others_on"] = "base"

@@ -174,7 +174,10 @@ class EvalConfig:
     out: str = opt(help="output folder (results.json, .md, .png)")
     model: str | None = opt(None, "base model: alias (smollm2-135m), folder, .gguf, hub id",
                             group="model")
-    checkpoint: str | None = opt(None, "exported gated checkpoint folder", group="model")
+    checkpoint: str | None = opt(None, "exported gated checkpoint folder, a KVzap checkpoint "
+                                 "folder, or a hub id of either", group="model")
+    base: str | None = opt(None, "the base model under --checkpoint when the checkpoint names "
+                           "none (a published KVzap checkpoint)")
     policies: str | list[str] = opt("full,snapkv,h2o",
                                     "comma-separated policy names (LABEL=NAME runs a policy "
                                     "under a second label), or 'all'")
@@ -193,6 +196,8 @@ class EvalConfig:
         check_output_dir(self.out, "--out")  # a file (or a path through one): one line now
         if (self.model is None) == (self.checkpoint is None):
             raise EvalError("give one of --model or --checkpoint")
+        if self.base is not None and self.checkpoint is None:
+            raise EvalError("--base names the base under --checkpoint; with --model leave it out")
         _at_least(self.batch_size, "--batch-size")
         from kvgate.models.arch import parse_dtype
         from kvgate.models.load import check_device

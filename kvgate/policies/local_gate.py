@@ -16,8 +16,10 @@ prefill then equals feeding the prompt token by token. A gate trained with
 ``gate.recent = window + 1`` trained on exactly that cache. ``"full"`` encodes the prompt with
 full attention and thresholds the stored entries afterwards, as KVzap's prefill does.
 
-``tau`` (default: the trained gate's) dials the threshold as for ``attention_gate``. The
-budget does not enter (``budget_free``): the eviction ratio is what the gate's scores give.
+``tau`` (default: the trained gate's) dials the threshold as for ``attention_gate``;
+``threshold`` instead states it in KVzap's units, on the raw score: an entry stays when its
+score is at least ``threshold`` (KVzap's README: -4), exactly as KVzap's rule reads (one or the
+other, not both). The budget does not enter (``budget_free``): the eviction ratio is what the gate's scores give.
 The gate's ``sinks`` are the prompt's first tokens and stay (decode rows are never sinks), as
 do the last ``recent`` prompt tokens of a gate trained one-shot (``GateConfig.prefill`` full),
 which it trained to keep.
@@ -25,13 +27,14 @@ which it trained to keep.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, get_args
 
 import torch
 from torch import Tensor
 
-from kvgate.gate.apply import compute_gate, gate_input
+from kvgate.gate.apply import compute_gate, gate_input, gate_ranking
 from kvgate.gate.config import GatePrefill
 from kvgate.policies.attention_gate import by_kv_head, check_tau, checked_gate_config
 from kvgate.policies.base import (
@@ -44,6 +47,7 @@ from kvgate.policies.base import (
     check_decode,
     check_int,
     last_real,
+    option_error,
     resolve_share,
     stat,
 )
@@ -57,6 +61,7 @@ class LocalGatePolicy(EncodeMasking, RowScoring):
     tau: float | None = None
     window: int = 128
     prefill: str | None = None
+    threshold: float | None = None  # KVzap's rule: keep a raw score >= threshold (tau's twin)
 
     name = "local_gate"
     needs_attention = False
@@ -64,6 +69,14 @@ class LocalGatePolicy(EncodeMasking, RowScoring):
 
     def __post_init__(self) -> None:
         check_tau(self.name, self.tau)
+        if self.threshold is not None:
+            if isinstance(self.threshold, bool) or not isinstance(self.threshold, (int, float)) \
+                    or not math.isfinite(self.threshold):
+                raise option_error(self.name, "threshold", "must be a finite number (a raw "
+                                   "score, e.g. -4)", self.threshold)
+            if self.tau is not None:
+                raise PolicyError(f"policy {self.name}: give tau (a keep probability) or "
+                                  "threshold (a raw score, KVzap's units), not both")
         check_int(self.name, "window", self.window, 0)
         if self.prefill is not None:
             check_choice(self.name, "prefill", self.prefill, get_args(GatePrefill))
@@ -91,10 +104,19 @@ class LocalGatePolicy(EncodeMasking, RowScoring):
         found = prompt.derived.get("gate_above")
         if found is None:
             self.gate_config(prompt)
-            record = compute_gate(prompt.module, prompt.hidden, prompt.position_embeddings,
-                                  prompt.valid, prompt=prompt.valid, tau=self.tau,
-                                  previous_hidden=prompt.previous_hidden)
-            flags = by_kv_head(record.gate.detach() > 0.5, prompt.key.shape[1], "any")
+            if self.threshold is None:
+                record = compute_gate(prompt.module, prompt.hidden, prompt.position_embeddings,
+                                      prompt.valid, prompt=prompt.valid, tau=self.tau,
+                                      previous_hidden=prompt.previous_hidden)
+                flags = record.gate.detach() > 0.5
+            else:  # the raw scores against KVzap's threshold; sinks and the like still stay
+                scores, forced = gate_ranking(prompt.module, prompt.hidden,
+                                              prompt.position_embeddings, prompt.valid,
+                                              prompt=prompt.valid,
+                                              previous_hidden=prompt.previous_hidden)
+                flags = (forced[:, None, :].expand(-1, prompt.key.shape[1], -1)
+                         if scores is None else (scores >= self.threshold) | forced[:, None, :])
+            flags = by_kv_head(flags, prompt.key.shape[1], "any")
             found = prompt.derived["gate_above"] = flags & prompt.valid[:, None, :]
         return found
 
@@ -112,7 +134,9 @@ class LocalGatePolicy(EncodeMasking, RowScoring):
             flags = torch.ones(b, hk, r, dtype=torch.bool, device=rows.key.device)
         else:
             hidden = gate_input(module, rows.hidden, rows.previous_hidden)
-            flags = by_kv_head(gate(hidden, tau=self.tau).detach() > 0.5, hk, "any")
+            kept = (gate(hidden, tau=self.tau).detach() > 0.5 if self.threshold is None
+                    else gate.scores(hidden) >= self.threshold)
+            flags = by_kv_head(kept, hk, "any")
         return {"above": (flags & rows.valid[:, None, :]).float()}
 
     def decode_select(self, stats: dict[str, Tensor], logits: Tensor, valid: Tensor,

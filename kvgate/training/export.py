@@ -114,6 +114,40 @@ def module_from_checkpoint(path: str | os.PathLike) -> KVGateModule:
     return module
 
 
+def export_kvzap_checkpoint(source: str | os.PathLike, out: str | os.PathLike,
+                            overwrite: bool = False) -> Path:
+    """``kvgate export SOURCE OUT --format kvzap``: the ``linear`` / ``mlp`` gates of a
+    Lightning checkpoint or of a gated export, written as a KVzap checkpoint
+    (``kvgate.checkpoint.kvzap``). A gate KVzap's format cannot hold, or one trained beside
+    LoRA (the folder would hold the scorers without the adapter they were trained with), is
+    refused in one line before the base loads."""
+    from kvgate.checkpoint import export_kvzap, load_gated, read_meta
+    from kvgate.checkpoint.kvzap import is_kvzap_folder, kvzap_refusal
+    from kvgate.gate import GateConfig
+
+    check_target(check_output_dir(out, "OUT"), overwrite, [source], owned=is_kvzap_folder)
+    exported = Path(source).is_dir() and is_gated_export(Path(source))
+    if exported:
+        meta = read_meta(source)
+        gate, lora = meta.get("gate"), meta.get("lora") or meta.get("merged")
+    else:
+        hparams = load_lightning_checkpoint(source)["hyper_parameters"]
+        gate, lora = hparams.get("gate"), hparams.get("train") != "gates"
+    config = GateConfig.from_dict(gate) if isinstance(gate, dict) else gate
+    why = kvzap_refusal(config) or (lora and "the run trained LoRA beside its gates; KVzap's "
+                                    "format holds the scorers alone (export without --format)")
+    if why:
+        raise CheckpointError(f"{source}: --format kvzap: {why}")
+    if exported:
+        model, _, meta = load_gated(source)
+        base = meta["base"]["id"]
+    else:
+        module = module_from_checkpoint(source)
+        model, base, config = module.model, module.base_model, module.gate_cfg
+    return export_kvzap(model, out, gate_config=config, base_model=base, overwrite=overwrite,
+                        inputs=(source,))
+
+
 def export_checkpoint(ckpt: str | os.PathLike, out: str | os.PathLike, merge: bool = False,
                       overwrite: bool = False) -> Path:
     """Export the Lightning (or DeepSpeed) checkpoint ``ckpt`` to the gated folder ``out``;

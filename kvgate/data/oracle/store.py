@@ -21,7 +21,6 @@ that each is whole and finite. Only safetensors and JSON: nothing is unpickled.
 
 from __future__ import annotations
 
-import hashlib
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -32,6 +31,7 @@ from torch import Tensor
 
 from kvgate.data.cache import read_json, write_atomic, write_json_atomic
 from kvgate.data.oracle.settings import OracleError, OracleLabels
+from kvgate.files import sha256_file
 
 FORMAT = "kvgate-oracle-labels"
 VERSION = 2
@@ -51,14 +51,6 @@ def progress_name(rank: int) -> str:
 
 
 PROGRESS_GLOB = "progress-rank-*.json"
-
-
-def sha256_file(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def _shard_tensor(path: Path) -> Tensor:
