@@ -22,6 +22,7 @@ _EXPORTS = {
     "KVGateError": "kvgate.errors",
     "load_base": "kvgate.models.load",
     "load_gated": "kvgate.checkpoint",
+    "export_kvzap": "kvgate.checkpoint",
     "Engine": "kvgate.inference.engine",
     "get_policy": "kvgate.policies.registry",
     "list_policies": "kvgate.policies.registry",
@@ -34,7 +35,7 @@ _EXPORTS = {
 
 __all__ = [
     "Budget", "CompressedCache", "Engine", "GateConfig", "KVGateError", "__version__",
-    "get_policy", "list_policies", "load_base", "load_gated", "patch", "unpatch",
+    "export_kvzap", "get_policy", "list_policies", "load_base", "load_gated", "patch", "unpatch",
 ]
 
 
