@@ -214,11 +214,6 @@ class CompressedCache(HandlerCache):
                    * torch.empty((), dtype=s.dtype).element_size()
                    for layer in self.layers if (s := layer.store) is not None)
 
-    def stats_bytes(self) -> int:
-        """Bytes of the policy's per-slot decode statistics (padded, not part of K/V)."""
-        return sum(t.numel() * t.element_size() for layer in self.layers
-                   for t in layer.stats.values())
-
     def new_pass_scores(self, store: RaggedStore) -> Tensor:
         """Zero running scores ``[B, H_kv, T]`` before the passes (SharedPasses: per scorer)."""
         return torch.zeros(store.batch, store.kv_heads, store.base_len, device=store.device)
@@ -402,7 +397,7 @@ class CompressedCache(HandlerCache):
         # slot positions cost a gather over the base: only when a window or a policy needs them
         positions = store.slot_positions() if (evict or window) else None  # [B, H_kv, T]
         rows = qpos[:, None, :, None]  # [B, 1, r, 1]
-        base_vis = None if store.uniform else store.base_slot_valid()[:, :, None, :]
+        base_vis = store.visible_base()
         if not all_valid:  # padding rows (streamed prompts) see nothing
             base_vis = rows >= 0 if base_vis is None else base_vis & (rows >= 0)
         if window and tb:
@@ -414,6 +409,9 @@ class CompressedCache(HandlerCache):
             tail_vis = (tpos >= 0) & (tpos <= rows)
             if window:
                 tail_vis = tail_vis & (tpos > rows - window)
+        holes = store.tail_holes()  # evicted while decoding, not yet compacted
+        if holes is not None:
+            tail_vis = ~holes if tail_vis is None else tail_vis & ~holes
         out, logits = multipart_attention(
             query, [KVPart(base_k, base_v, base_vis), KVPart(tail_k, tail_v, tail_vis)],
             scaling, return_logits=evict)

@@ -2,7 +2,8 @@
 
 After new rows attended, the policy's per-slot statistics are grown to the new slots (0, or
 what a ``RowScoring`` policy's ``row_stats`` gave for the new rows), ``decode_select`` decides
-which slots stay, and the store is rebuilt only when something was evicted.
+which slots stay, and what leaves is dropped from the store (``RaggedStore.evict``: marked
+as holes, compacted once they pass a share).
 """
 
 from __future__ import annotations
@@ -46,6 +47,10 @@ def decode_round(policy: DecodeEvicting, layer: Any, logits: Tensor, positions: 
                           f"shape {tuple(keep.shape)}, expected {tuple(slot_valid.shape)}")
     keep = keep.to(torch.bool) & slot_valid
     if bool((keep != slot_valid).any()):
-        kept = store.rebuild(keep)
-        stats = {k: store.realign(v, kept) for k, v in stats.items()}
+        # usually marked as holes; compacted only once they pass a share (RaggedStore.evict)
+        kept = store.evict(keep)
+        if kept is not None:
+            stats = {k: store.realign(v, kept) for k, v in stats.items()}
+        else:  # a hole's statistic is never read again: cleared, as a compaction would
+            stats = {k: v.masked_fill(~keep, 0) for k, v in stats.items()}
     layer.stats = dict(stats)

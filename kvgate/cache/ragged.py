@@ -15,6 +15,15 @@ positions, scores) are materialised padded. K/V are gathered padded only transie
 layer at a time, and only when the base is ragged; when every segment holds the same number
 of entries the base is a zero-copy ``[B, H_kv, Tb, d]`` view.
 
+*Holes*: an entry evicted while decoding is first only marked (``holes`` ``[B, H_kv, T]`` over
+the slot view): it drops out of every view (``slot_valid``, ``slot_positions``,
+``visible_base`` / ``visible_tail``, ``kept_counts``) at once, and its bytes are freed by the
+next rebuild, which ``evict`` runs only once the holes pass ``HOLE_SHARE`` of the held slots or
+the tail reaches ``TAIL_MAX`` tokens. A policy that drops one token a step (KVzap's rule: the
+token leaving the window when it scores below the threshold) then copies the cache every few
+dozen steps instead of every step; the bytes held overstate the kept entries by at most that
+share until then.
+
 Slot order: a rebuild compacts the kept slots in their old order (position order after a
 prefill). A decode step that evicts exactly as many entries per segment as it appends (a
 decode-evicting policy at capacity) instead writes the kept new entries over the evicted
@@ -28,6 +37,10 @@ import copy
 
 import torch
 from torch import Tensor
+
+# when ``evict`` compacts: the holes pass this share of the held slots, or the tail this length
+HOLE_SHARE = 0.125
+TAIL_MAX = 64
 
 
 def _nbytes(t: Tensor | None) -> int:
@@ -53,6 +66,7 @@ class RaggedStore:
         self._base_len = 0
         self._uniform = True
         self._index: Tensor | None = None  # [S, Tb] flat index of every base slot (lazy)
+        self.holes: Tensor | None = None  # [B, H_kv, T] evicted, not yet compacted (None: none)
         self._owned = True  # keys / values / pos are this store's alone (forks share them)
 
     # ------------------------------------------------------------------ sizes
@@ -77,10 +91,11 @@ class RaggedStore:
         return self._uniform
 
     def kept_counts(self) -> Tensor:
-        """Real entries per (sample, KV head), base and tail: ``[B, H_kv]`` long."""
+        """Real entries per (sample, KV head), base and tail, holes left out: ``[B, H_kv]``."""
         base = self.counts.view(self.batch, self.kv_heads)
         tail = (self.tail_pos >= 0).sum(-1, dtype=torch.long)
-        return base + tail[:, None]
+        held = base + tail[:, None]
+        return held if self.holes is None else held - self.holes.sum(-1)
 
     def nbytes(self) -> int:
         """Bytes of every tensor the store holds (K/V, positions, counts)."""
@@ -105,7 +120,7 @@ class RaggedStore:
         follow each other. Shares nothing it could write into (``append`` / ``rebuild`` bind
         new tensors)."""
         first = stores[0]
-        if any(s.tail_len or (s.kv_heads, s.head_dim, s.dtype, s.device)
+        if any(s.tail_len or s.holes is not None or (s.kv_heads, s.head_dim, s.dtype, s.device)
                != (first.kv_heads, first.head_dim, first.dtype, first.device) for s in stores):
             raise ValueError("RaggedStore.concat needs stores of one layout with empty tails")
         out = cls(sum(s.batch for s in stores), first.kv_heads, first.head_dim, first.dtype,
@@ -127,6 +142,9 @@ class RaggedStore:
         """
         pos = pos.to(torch.int32)
         self.tail_padded |= bool((pos < 0).any()) if padded is None else padded
+        if self.holes is not None:  # the new slots are no holes
+            self.holes = torch.cat([self.holes, self.holes.new_zeros(
+                self.batch, self.kv_heads, pos.shape[1])], dim=-1)
         if self.tail_k is None:
             # the first block is kept by reference: a rebuild usually follows right away
             self.tail_k, self.tail_v, self.tail_pos = keys, values, pos
@@ -177,6 +195,7 @@ class RaggedStore:
         self._base_len, self._uniform = int(hi), bool(lo == hi)
         self._index = None
         self._owned = True
+        self.holes = None
         return moves[:, :self._base_len]
 
     def _compaction_moves(self, flat: Tensor) -> Tensor:
@@ -207,7 +226,21 @@ class RaggedStore:
         moves[seg, slot] = tb + tslot
         self.tail_k = self.tail_v = None
         self.tail_pos = self.tail_pos[:, :0]
+        self.holes = None
         return moves
+
+    def evict(self, keep: Tensor) -> Tensor | None:
+        """Drop the held slots where ``keep`` [B, H_kv, T] is False, the way that copies least:
+        marked as holes, or (once the holes pass ``HOLE_SHARE`` of the held slots, or the tail
+        ``TAIL_MAX`` tokens) compacted by ``rebuild``. Returns ``rebuild``'s moves when the
+        layout changed, None when only holes were marked (per-slot statistics stay aligned)."""
+        dropped = self.slot_valid() & ~keep.to(torch.bool)
+        holes = dropped if self.holes is None else self.holes | dropped
+        held = int(self.counts.sum()) + self.kv_heads * int((self.tail_pos >= 0).sum())
+        if self.tail_len >= TAIL_MAX or int(holes.sum()) > HOLE_SHARE * held:
+            return self.rebuild(keep)
+        self.holes = holes
+        return None
 
     def realign(self, x: Tensor, moves: Tensor) -> Tensor:
         """Carry a per-slot tensor ``x`` [B, H_kv, T] of the old view to the rebuilt one, given
@@ -232,16 +265,33 @@ class RaggedStore:
         return (ar < self.counts[:, None]).view(self.batch, self.kv_heads, self._base_len)
 
     def slot_valid(self) -> Tensor:
-        """``[B, H_kv, T]`` True at real slots (base entries and non-padding tail tokens)."""
+        """``[B, H_kv, T]`` True at real slots (base entries and non-padding tail tokens), holes
+        left out."""
         tail = (self.tail_pos >= 0)[:, None, :].expand(self.batch, self.kv_heads, -1)
-        return torch.cat([self.base_slot_valid(), tail], dim=-1)
+        valid = torch.cat([self.base_slot_valid(), tail], dim=-1)
+        return valid if self.holes is None else valid & ~self.holes
 
     def slot_positions(self) -> Tensor:
-        """``[B, H_kv, T]`` long true positions, -1 at empty slots."""
+        """``[B, H_kv, T]`` long true positions, -1 at empty slots and holes."""
         base = self.pos[self._base_index()].long().view(self.batch, self.kv_heads, -1)
         base = base.masked_fill(~self.base_slot_valid(), -1)
         tail = self.tail_pos.long()[:, None, :].expand(self.batch, self.kv_heads, -1)
-        return torch.cat([base, tail], dim=-1)
+        slots = torch.cat([base, tail], dim=-1)
+        return slots if self.holes is None else slots.masked_fill(self.holes, -1)
+
+    def visible_base(self) -> Tensor | None:
+        """``[B, H_kv, 1, Tb]`` the base slots attention may read (None: all of them, a
+        uniform base without holes)."""
+        if self._uniform and self.holes is None:
+            return None
+        valid = self.base_slot_valid()
+        if self.holes is not None:
+            valid = valid & ~self.holes[..., :self._base_len]
+        return valid[:, :, None, :]
+
+    def tail_holes(self) -> Tensor | None:
+        """``[B, H_kv, 1, t]`` True at tail slots evicted but not compacted (None: none)."""
+        return None if self.holes is None else self.holes[:, :, None, self._base_len:]
 
     def base_kv(self) -> tuple[Tensor, Tensor]:
         """Base keys/values as ``[B, H_kv, Tb, d]``: a view when uniform, else a padded gather."""
