@@ -28,7 +28,7 @@ which it trained to keep.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, get_args
 
 import torch
@@ -61,7 +61,9 @@ class LocalGatePolicy(EncodeMasking, RowScoring):
     tau: float | None = None
     window: int = 128
     prefill: str | None = None
-    threshold: float | None = None  # KVzap's rule: keep a raw score >= threshold (tau's twin)
+    # KVzap's rule: keep a raw score >= threshold (tau's twin); stored only when set, so the
+    # results stored before it existed still match
+    threshold: float | None = field(default=None, metadata={"omit_default": True})
 
     name = "local_gate"
     needs_attention = False
