@@ -39,7 +39,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import kvgate
-from kvgate.eval.ruler.tasks import generate
+from kvgate.eval.benchmarks.ruler.tasks import generate
 
 # the policies that read a gated model's gates (an Attention-Gate, or a local MLP / linear gate)
 GATED = ("attention_gate", "local_gate")

@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import kvgate
 from kvgate.eval.asked import ask_shared
-from kvgate.eval.ruler.run import RULER, build_items
+from kvgate.eval.benchmarks.ruler.run import RULER, build_items
 from kvgate.eval.runner import record
 from kvgate.policies import Budget, get_policy
 

@@ -233,7 +233,7 @@ def main() -> int:
     for folder in args.folders:
         print("\n".join(table(folder, args.max_evict_gap)))
         if args.plot is not None:
-            from kvgate.eval.report import plot_ppl_vs_eviction
+            from kvgate.eval.benchmarks.ppl.report import plot_ppl_vs_eviction
 
             points, skipped = curve_records(folder, args.runs)
             args.plot.mkdir(parents=True, exist_ok=True)

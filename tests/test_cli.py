@@ -16,8 +16,9 @@ from conftest import ROOT, build, load_script, tiny_llama_config
 import kvgate.cli.train  # Lightning's log handler takes the real stderr on import, not capsys's
 import kvgate.eval.commands
 from kvgate.cli import main
-from kvgate.eval.config import MatchedConfig, MCConfig
-from kvgate.eval.config_long import NeedleConfig, PPLConfig
+from kvgate.eval.benchmarks.mc.config import MatchedConfig, MCConfig
+from kvgate.eval.benchmarks.needle.config import NeedleConfig
+from kvgate.eval.benchmarks.ppl.config import PPLConfig
 from kvgate.eval.errors import EvalError
 from kvgate.policies.base import Budget
 
@@ -224,7 +225,6 @@ def test_kvgate_eval_runs_a_config_end_to_end(capsys, monkeypatch, tmp_path):
     # the alias writes the same keys into another folder, and `report` redraws from the JSON
     import kvgate.eval.__main__ as alias
 
-    monkeypatch.setattr(alias, "load_model", kvgate.eval.commands.load_model)
     assert alias.main(["ppl", "--model", "x", "--out", str(tmp_path / "a"), "--policies",
                        "full,window", "--text-files", str(text), "--max-length", "24",
                        "--no-progress"]) == 0

@@ -2,13 +2,17 @@
 
 Every ``import`` counts, also those inside functions: an import deferred into a function still
 ties two layers together. Each subpackage (or top-level module) of kvgate has a rank in
-``LAYERS``; a module may import only from its own node or from nodes of lower rank.
+``LAYERS``; a module may import only from its own node or from nodes of lower rank. Every
+``__main__`` module, wherever it sits, is a command-line entry point: it belongs to the top
+layer (it may run ``kvgate.cli``) and nothing imports it. Inside a layer no two modules may
+import each other either, directly or around a circle (``test_no_import_cycle_between_modules``).
 """
 
 from __future__ import annotations
 
 import ast
 import re
+from itertools import pairwise
 from pathlib import Path
 
 import pytest
@@ -46,17 +50,24 @@ def _node(path: Path) -> str | None:
     rel = path.relative_to(ROOT)
     if rel.parts == ("__init__.py",):
         return None
+    if rel.name == "__main__.py":  # an entry point: the command line's layer, wherever it sits
+        return "__main__"
     return rel.parts[0].removesuffix(".py")
 
 
-def _imported(path: Path, text: str | None = None) -> list[tuple[str, int]]:
-    """(kvgate node, line) of every kvgate import in a file, at any depth."""
+def _module_name(path: Path, root: Path) -> str:
+    """``kvgate.eval.report`` for ROOT/eval/report.py (a package is named by its folder)."""
+    parts = (root.name,) + path.relative_to(root).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _imports(path: Path, root: Path, text: str | None = None) -> list[tuple[str, int]]:
+    """(dotted name, line) of every import of ``root``'s package in a file, at any depth;
+    ``from P import N`` gives ``P.N`` (which may be a module or a name in P)."""
     tree = ast.parse(path.read_text() if text is None else text, filename=str(path))
-    package = ".".join(("kvgate",) + path.relative_to(ROOT).with_suffix("").parts)
-    if path.name == "__init__.py":
-        package = package.removesuffix(".__init__")
-    else:
-        package = package.rsplit(".", 1)[0]
+    package = _module_name(path, root)
+    if path.name != "__init__.py":
+        package = package.rpartition(".")[0]
     out = []
     for node in ast.walk(tree):
         names: list[str] = []
@@ -68,12 +79,15 @@ def _imported(path: Path, text: str | None = None) -> list[tuple[str, int]]:
                 mod = ".".join(base + ([node.module] if node.module else []))
             else:
                 mod = node.module or ""
-            names = [f"{mod}.{a.name}" for a in node.names] if mod == "kvgate" else [mod]
-        for name in names:
-            parts = name.split(".")
-            if parts[0] == "kvgate" and len(parts) > 1:
-                out.append((parts[1], node.lineno))
+            names = [f"{mod}.{a.name}" for a in node.names]
+        out += [(name, node.lineno) for name in names
+                if name.split(".")[0] == root.name and "." in name]
     return out
+
+
+def _imported(path: Path, text: str | None = None) -> list[tuple[str, int]]:
+    """(kvgate node, line) of every kvgate import in a file, at any depth."""
+    return [(name.split(".")[1], line) for name, line in _imports(path, ROOT, text)]
 
 
 def _graph() -> dict[str, dict[str, list[str]]]:
@@ -116,9 +130,75 @@ def _cycle(edges: dict[str, dict[str, list[str]]]) -> list[str] | None:
     return None
 
 
+def _module_graph(root: Path = ROOT) -> dict[str, dict[str, list[str]]]:
+    """module -> module it imports -> where (file:line), over every module under ``root``.
+    ``from P import N`` is an edge to the module P.N when there is one, else to P (a package's
+    ``__init__``); an edge to a module does not count its parent packages' ``__init__``."""
+    paths = {_module_name(p, root): p for p in sorted(root.rglob("*.py"))}
+    edges: dict[str, dict[str, list[str]]] = {}
+    for src, path in paths.items():
+        for name, line in _imports(path, root):
+            while name not in paths:  # a name inside a module: the module
+                name = name.rpartition(".")[0]
+            if name and name != src:
+                where = f"{path.relative_to(root.parent)}:{line}"
+                edges.setdefault(src, {}).setdefault(name, []).append(where)
+    return edges
+
+
+def _cycles(edges: dict[str, dict[str, list[str]]]) -> list[list[str]]:
+    """Cycles found one after another, each search after removing the closing edge of the
+    cycle before, until none is left: every circle of the graph shows at least one edge."""
+    edges = {a: dict(b) for a, b in edges.items()}
+    found = []
+    while (cycle := _cycle(edges)) is not None:
+        found.append(cycle)
+        del edges[cycle[-2]][cycle[-1]]
+    return found
+
+
+def _named(cycle: list[str], edges: dict[str, dict[str, list[str]]]) -> str:
+    return " -> ".join(f"{a} ({edges[a][b][0]})" for a, b in pairwise(cycle)) \
+        + f" -> {cycle[-1]}"
+
+
 def test_no_import_cycle_between_subpackages():
     cycle = _cycle(_graph())
     assert cycle is None, "import cycle between kvgate subpackages: " + " -> ".join(cycle)
+
+
+def test_no_import_cycle_between_modules():
+    edges = _module_graph()
+    cycles = _cycles(edges)
+    assert not cycles, "import cycles between kvgate modules:\n" + "\n".join(
+        _named(c, edges) for c in cycles)
+
+
+def test_a_planted_module_cycle_is_caught(tmp_path):
+    # a circle hidden behind an import inside a function, and one through a package __init__
+    pkg = tmp_path / "toy"
+    (pkg / "sub").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "low.py").write_text("X = 1\n")
+    (pkg / "a.py").write_text("from toy.low import X\n\ndef f():\n    from toy import b\n")
+    (pkg / "b.py").write_text("from . import a\n")
+    (pkg / "sub" / "__init__.py").write_text("from toy.sub.c import Y\n")
+    (pkg / "sub" / "c.py").write_text("from toy.sub import Z\nY = 2\n")
+    edges = _module_graph(pkg)
+    cycles = _cycles(edges)
+    assert sorted(sorted(c[:-1]) for c in cycles) == [["toy.a", "toy.b"],
+                                                      ["toy.sub", "toy.sub.c"]]
+    text = "\n".join(_named(c, edges) for c in cycles)
+    assert "toy/a.py:4" in text and "toy/b.py:1" in text and "toy/sub/c.py:1" in text
+    (pkg / "b.py").write_text("from toy.low import X\n")  # the circle broken: none left
+    (pkg / "sub" / "c.py").write_text("Y = 2\n")
+    assert _cycles(_module_graph(pkg)) == []
+
+
+def test_nothing_imports_an_entry_point():
+    found = [f"{src} imports {dst}" for src, targets in _module_graph().items()
+             for dst in targets if dst.endswith("__main__")]
+    assert not found, found
 
 
 def test_imports_follow_the_layer_order():

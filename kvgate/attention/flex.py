@@ -35,7 +35,7 @@ import math
 import torch
 from torch import Tensor
 
-from kvgate.attention.gated import EXP_CLAMP, _keep_per_query_head
+from kvgate.attention.common import EXP_CLAMP, keep_per_query_head
 
 try:  # FlexAttention arrived in torch 2.5
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
@@ -173,7 +173,7 @@ def flex_gated_attention(q: Tensor, k: Tensor, v: Tensor, gate: Tensor,
         raise RuntimeError("the flex attention kernel trains only on CUDA (FlexAttention has "
                            "no backward on the CPU); use kernel 'chunked' here")
     scaling = 1.0 / math.sqrt(d) if scaling is None else float(scaling)
-    keep = _keep_per_query_head(gate, h)[:, :, 0]  # [B, H, n] bool
+    keep = keep_per_query_head(gate, h)[:, :, 0]  # [B, H, n] bool
     visible, gated_transposed = _mask_mods(allowed, keep, prompt, n - nq, int(recent))
     qf, kf, vf = (t.to(compute_dtype) for t in (q, k, v))
     block = _block_mask(visible, b, h, nq, n, q.device)

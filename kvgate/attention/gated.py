@@ -31,11 +31,9 @@ import math
 import torch
 from torch import Tensor
 
+from kvgate.attention.common import EXP_CLAMP, keep_per_query_head
 from kvgate.attention.kernels import KERNELS
 
-# Evicted keys that outscore every kept key would make P~ = exp(s - lse) explode; the clamp
-# bounds their gradient (1 / e^-10 ~ 2e4 times a kept entry's) while leaving forward exact.
-EXP_CLAMP = 10.0
 # Forward bias of a key the gate evicted: exp(EVICTED + s - max) is exactly 0 in fp32, as with
 # -inf, but EVICTED * 0 is 0 where -inf * 0 would be NaN.
 EVICTED = -1e30
@@ -77,14 +75,6 @@ def _chunk_masks(allowed: Tensor | None, rows: slice, offset: int, recent: int, 
         at = slice(offset + rows.start, cols)
         ungated = ungated | (prompt[:, None, at, None] | ~prompt[:, None, None, :cols])
     return base, ungated
-
-
-def _keep_per_query_head(gate: Tensor, h: int) -> Tensor:
-    """gate [B, Hg, n] (Hg = H_kv or H) -> bool keep [B, H, 1, n]."""
-    keep = gate.detach() > 0.5
-    if keep.shape[1] != h:
-        keep = keep.repeat_interleave(h // keep.shape[1], dim=1)
-    return keep[:, :, None, :]
 
 
 def _rows_per_chunk(h: int, n: int, chunk: int | None, device: torch.device) -> int:
@@ -269,7 +259,7 @@ def gated_attention(q: Tensor, k: Tensor, v: Tensor, gate: Tensor, allowed: Tens
     g = h // k.shape[1]
     kr = k.repeat_interleave(g, 1).float()
     vr = v.repeat_interleave(g, 1).float()
-    keep = _keep_per_query_head(gate, h)
+    keep = keep_per_query_head(gate, h)
     # rows per chunk of the forward and of the backward: on the CPU the forward runs in the
     # backward's chunks (see _chunked_forward); the CUDA kernel takes the whole problem at once
     step = _rows_per_chunk(h, n, chunk, q.device)

@@ -46,7 +46,7 @@ import os
 import torch
 from torch import Tensor
 
-from kvgate.attention.gated import EXP_CLAMP
+from kvgate.attention.common import EXP_CLAMP
 from kvgate.attention.masks import memoised
 from kvgate.attention.triton_tiles import triton
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 import argparse
 from collections.abc import Sequence
 
-from kvgate.cli import run_cli
+from kvgate.cli.common import run_cli
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

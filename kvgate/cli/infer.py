@@ -26,7 +26,7 @@ import json
 import sys
 from typing import Any
 
-from kvgate.cli import run_cli
+from kvgate.cli.common import run_cli
 from kvgate.errors import KVGateError
 from kvgate.files import read_user_text
 from kvgate.inference import compress_cli

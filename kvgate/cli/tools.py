@@ -5,6 +5,7 @@ labels)."""
 from __future__ import annotations
 
 import argparse
+from collections.abc import Sequence
 
 DEFAULT_MODEL = "smollm2-135m"
 
@@ -67,6 +68,24 @@ def run_oracle(args: argparse.Namespace) -> int:
 
 
 def run_data(args: argparse.Namespace) -> int:
-    from kvgate.data.corpus import main as corpus_main
+    from kvgate.data.corpus import print_mix
 
-    return corpus_main(["--no-tokens"] if args.no_tokens else [])
+    return print_mix(count_tokens=not args.no_tokens)
+
+
+def main_prepare(argv: Sequence[str] | None = None) -> int:
+    """``python -m kvgate.models --prepare ALIAS [--prepare ALIAS ...]``: ``kvgate prepare``
+    under its old spelling."""
+    from kvgate.cli.common import run_cli
+
+    parser = argparse.ArgumentParser(prog="python -m kvgate.models",
+                                     description="Convert embedded GGUF models once (the same "
+                                                 "as kvgate prepare ALIAS).")
+    parser.add_argument("--prepare", metavar="ALIAS", dest="aliases", action="append",
+                        default=[], help="an embedded model to convert once")
+    parser.add_argument("--debug", action="store_true", help="show tracebacks")
+    args = parser.parse_args(argv)
+    if not args.aliases:
+        parser.error("nothing to do: pass --prepare ALIAS")
+    args.command = "prepare"
+    return run_cli(run_prepare, args)

@@ -59,7 +59,7 @@ import yaml
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
-from kvgate.cli import first_line
+from kvgate.cli.common import find_cause, first_line
 from kvgate.errors import KVGateError
 from kvgate.files import check_output_dir
 from kvgate.training import KVGateDataModule, KVGateModule, TrainingConfigError
@@ -252,7 +252,7 @@ def _build_cli(argv: list[str], prog: str) -> KVGateCLI:
                          args=argv, save_config_kwargs={"overwrite": True},
                          parser_kwargs={"prog": prog, "exit_on_error": False})
     except argparse.ArgumentError as err:
-        cause = _find_cause(err.__cause__ or err.__context__, (KVGateError,))
+        cause = find_cause(err.__cause__ or err.__context__)
         if cause is not None:
             raise cause from err
         raise ConfigFileError(parser_error_line(str(err))) from err
@@ -314,7 +314,7 @@ def main(argv: list[str] | None = None, prog: str = "train.py") -> int:
              f"(checkpoint {stop.saved})")
         return stop.exit_code
     except Exception as err:  # only our own errors are shortened; others re-raise
-        cause = _find_cause(err, (KVGateError,))
+        cause = find_cause(err)
         if cause is None or debug:
             raise
         # a run refused before its first step leaves no log folder of its own behind
@@ -368,14 +368,3 @@ def _created_root(log_dir: Path) -> Path | None:
     while not path.parent.exists():
         path = path.parent
     return path
-
-
-def _find_cause(err: BaseException, types: tuple[type, ...]) -> BaseException | None:
-    """Our own error in ``err``'s chain (jsonargparse wraps a constructor's error)."""
-    seen = set()
-    while err is not None and id(err) not in seen:
-        if isinstance(err, types):
-            return err
-        seen.add(id(err))
-        err = err.__cause__ or err.__context__
-    return None

@@ -1,6 +1,8 @@
-"""``python -m kvgate.data``: build the CPT corpus (once) and print its mix and token counts
-(the same as ``kvgate data``)."""
+"""``python -m kvgate.data [--no-tokens]``: ``kvgate data`` (build the CPT corpus once, print
+its mix and token counts)."""
 
-from kvgate.data.corpus import main
+import sys
 
-raise SystemExit(main())
+from kvgate.cli import main
+
+sys.exit(main(["data", *sys.argv[1:]]))

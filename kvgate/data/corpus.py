@@ -52,7 +52,6 @@ its size (largest remainders), so any prefix size keeps the mix.
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import re
@@ -363,13 +362,10 @@ def _smollm2_tokenizer() -> Any | None:
         return None
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m kvgate.data",
-                                     description="Build the CPT corpus and print its mix.")
-    parser.add_argument("--no-tokens", action="store_true", help="skip the token count")
-    args = parser.parse_args(argv)
+def print_mix(count_tokens: bool = True) -> int:
+    """Build the corpus (once) and print its mix per source (``kvgate data``)."""
     docs = processed_corpus()["docs"]
-    tokenizer = None if args.no_tokens else _smollm2_tokenizer()
+    tokenizer = _smollm2_tokenizer() if count_tokens else None
     print(f"cache: {_cache_path()}")
     header = f"{'source':<10} {'raw':>6} {'short':>5} {'dup':>5} {'leak':>5} {'kept':>6} " \
              f"{'words':>9} {'chars':>10}" + (f" {'tokens':>10}" if tokenizer else "")

@@ -18,8 +18,8 @@ from itertools import islice
 from pathlib import Path
 from typing import Any
 
+from kvgate.eval.benchmarks.ruler.config import parse_ruler_tasks
 from kvgate.eval.config import EvalConfig, _at_least, parse_numbers
-from kvgate.eval.config_long import parse_ruler_tasks
 from kvgate.eval.errors import EvalError
 from kvgate.eval.options import opt
 from kvgate.policies.base import PolicyError
@@ -72,9 +72,6 @@ class CalibrateConfig(EvalConfig):
 
             load_text_files(self.text_files)
 
-    def run(self, load: Any = None) -> CalibrationOutput:
-        return run_calibrate(self, load)
-
 
 @dataclass
 class CalibrationOutput:
@@ -112,7 +109,7 @@ def contexts(cfg: CalibrateConfig, tokenizer: Any, length: int,
         if not out:
             raise EvalError(f"--text-files: no text has {length:,} tokens; use shorter --lengths")
         return out
-    from kvgate.eval.ruler.tasks import generate
+    from kvgate.eval.benchmarks.ruler.tasks import generate
 
     return [generate(task, tokenizer, length, seed=cfg.seed + s).context
             for task in cfg.tasks for s in range(cfg.limit)]

@@ -1,7 +1,9 @@
-"""The optional columns of the evaluation tables (RULER, LongBench, needle, ppl): the teacher
-score and its agreement with the generated one (``--score``), the paired difference
-(``--paired``) and, for perplexity in cache mode, what the cache holds after the continuation;
-a column is there only when a row has its number."""
+"""The evaluation tables' writers, shared by every benchmark's report: a table of stored fields
+(``column_table``: mc, needle, ppl), the per-task + average tables (``task_tables``: RULER,
+LongBench), and their optional columns: the teacher score and its agreement with the
+generated one (``--score``), the paired difference (``--paired``) and, for perplexity in cache
+mode, what the cache holds after the continuation; a column is there only when a row has its
+number."""
 
 from __future__ import annotations
 
@@ -79,3 +81,41 @@ def score_cells(r: Row) -> str:
     """``score | low-high | %Evict | s/example |`` of a question-answering row."""
     return (f"{fmt(r['acc'])} | {fmt(r['ci_low'])}-{fmt(r['ci_high'])} | "
             f"{fmt(r['evict_pct'])} | {fmt(r['sec_per_example'], 3)} |")
+
+
+def cell(value: Any, digits: int = 2) -> str:
+    """A plain table's cell: a float to ``digits`` places, ``-`` for none or NaN, else as is."""
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "-"
+    return f"{value:.{digits}f}" if isinstance(value, float) else str(value)
+
+
+def column_table(title: str, spec: Sequence[tuple[str, str]], rows: Sequence[Row]) -> str:
+    """A table of one stored field per column (``spec``: (field, header) pairs), its rows in
+    (task, policy, budget, mode) order ('' without rows): the mc, needle and ppl tables."""
+    if not rows:
+        return ""
+    rows = sorted(rows, key=lambda r: (r["task"], r["policy"], r["budget"], r["mode"]))
+    return "\n".join(table(title, "| " + " | ".join(h for _, h in spec) + " |", rows,
+                           lambda r: "| " + " | ".join(cell(r.get(k)) for k, _ in spec)
+                           + " |"))
+
+
+def task_tables(title: str, score: str, rows: Sequence[Row], columns: Sequence[tuple[str, str]],
+                averages: Sequence[Row], average_columns: Sequence[tuple[str, str]],
+                unit: str) -> list[str]:
+    """The per-task table and the one averaged over ``unit`` that RULER and LongBench draw
+    alike: each row's own columns (``(header, field)`` pairs; ``-`` where a row lacks the
+    field), then n, the ``score``, its 95% interval, %Evict and seconds per example; an
+    average adds its seconds' ratio to the full cache's (``x_full``)."""
+    def own(cols: Sequence[tuple[str, str]]) -> str:
+        return "| " + " | ".join(h for h, _ in cols) + f" | n | {score} | 95% CI | %Evict | " \
+            "s/example |"
+
+    def line(r: Row, cols: Sequence[tuple[str, str]]) -> str:
+        return "| " + " | ".join(str(r.get(f, "-")) for _, f in cols) + \
+            f" | {r['n']} | {score_cells(r)}"
+
+    return table(title, own(columns), rows, lambda r: line(r, columns)) + [""] + table(
+        f"{title} (average over {unit})", own(average_columns) + " x full |", averages,
+        lambda a: line(a, average_columns) + f" {fmt(a['x_full'], 2)} |")

@@ -1,8 +1,9 @@
-"""The evaluation commands as plain functions of their configs (:mod:`kvgate.eval.config`).
-
-``run_mc(MCConfig(...))`` does what ``kvgate eval mc ...`` does: load the model, score, append
-to ``OUT/results.json`` (resumable) and rewrite ``OUT/results.md`` and the plots. Each returns
-an :class:`EvalOutput` (the store and the files written); the command line prints both.
+"""What every evaluation command does around its own scoring: load the model (``load_model``)
+and check the policies it can run, open the output folder's store (``loaded``), keep what was
+scored when Ctrl-C stops it, add the paired differences (``run_scored``), read corpus texts
+(``load_texts``); and ``kvgate eval report``. Each benchmark's command
+(``kvgate.eval.benchmarks.<name>.command``) builds on these and returns an
+:class:`EvalOutput`; the registry (``run_eval``) then writes results.md and the plots.
 ``load`` replaces the model loader (a model already in memory: ``load=lambda cfg: (model,
 tokenizer, {"model": "mine", "checkpoint": None})``).
 
@@ -23,29 +24,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvgate.eval.config import (
-    EvalConfig,
-    MatchedConfig,
-    MCConfig,
-    PatternConfig,
-    ReportConfig,
-    TaskConfig,
-    parse_policies,
-)
-from kvgate.eval.config_long import (
-    CorpusConfig,
-    LongBenchConfig,
-    NeedleConfig,
-    PPLConfig,
-    RulerConfig,
-)
+from kvgate.eval.config import CorpusConfig, EvalConfig, ReportConfig
 from kvgate.eval.errors import EvalError
-from kvgate.eval.report import ResultStore, markdown_table, write_outputs
-from kvgate.policies.base import Budget, Policy
+from kvgate.eval.store import ResultStore
+from kvgate.policies.base import Policy
 
-__all__ = ["EvalOutput", "load_model", "parse_policies", "run_longbench",
-           "run_matched", "run_mc", "run_needle", "run_pattern", "run_ppl", "run_report",
-           "run_ruler", "run_scored"]
+__all__ = ["EvalOutput", "kept_on_interrupt", "load_checked", "load_model", "load_texts",
+           "loaded", "run_report", "run_scored"]
 
 Loaded = tuple[Any, Any, dict[str, Any]]
 Loader = Callable[[EvalConfig], Loaded]
@@ -53,11 +38,16 @@ Loader = Callable[[EvalConfig], Loaded]
 
 @dataclass
 class EvalOutput:
+    """A command's store and its files: first what it drew itself (eviction patterns), then,
+    once the registry has written them, results.md and the plots (``markdown`` is the
+    results.md text)."""
+
     store: ResultStore
-    paths: list[Path]  # results.md, plots, eviction patterns
+    paths: list[Path]
+    markdown: str = ""
 
     def table(self) -> str:
-        return markdown_table(self.store.complete_results())
+        return self.markdown
 
 
 def _digest(value: Any) -> str:
@@ -133,23 +123,22 @@ def load_checked(cfg: EvalConfig, load: Loader | None, policies: dict[str, Polic
     gates = gate_modules(model)
     if cfg.all_policies:  # 'all': every policy this model can run
         policies = {n: p for n, p in policies.items() if gate_refusal(p, gates) is None}
-    check = [cfg.build_reference()] if isinstance(cfg, MatchedConfig) else policies.values()
-    for policy in check:
+    for policy in cfg.gate_checked(policies):
         refusal = gate_refusal(policy, gates)
         if refusal is not None:
             raise EvalError(refusal)
     return model, tokenizer, policies, meta
 
 
-def _loaded(cfg: EvalConfig, load: Loader | None,
-            policies: dict[str, Policy]) -> tuple[Any, Any, dict[str, Policy], ResultStore]:
+def loaded(cfg: EvalConfig, load: Loader | None,
+           policies: dict[str, Policy]) -> tuple[Any, Any, dict[str, Policy], ResultStore]:
     """:func:`load_checked`, then open the store."""
     model, tokenizer, policies, meta = load_checked(cfg, load, policies)
     return model, tokenizer, policies, ResultStore(Path(cfg.out), meta, settings=cfg.settings())
 
 
 @contextlib.contextmanager
-def _kept_on_interrupt(store: ResultStore):
+def kept_on_interrupt(store: ResultStore):
     """The examples scored since the store's last timed write are written when Ctrl-C stops
     the run (the command line then says they were kept): a rerun skips them."""
     try:
@@ -159,31 +148,9 @@ def _kept_on_interrupt(store: ResultStore):
         raise
 
 
-def _finish(store: ResultStore, extra: list[Path] | None = None) -> EvalOutput:
-    return EvalOutput(store, [*write_outputs(store), *(extra or [])])
-
-
-def load_split(task: str, split: str, limit: int | None = None) -> list[Any]:
-    from kvgate.data import load_sft_split, load_task
-
-    if split in ("sft_test", "sft_train"):
-        return load_sft_split(task, split.removeprefix("sft_"))[:limit]
-    return load_task(task, split=split, limit=limit)
-
-
-def load_tasks(cfg: TaskConfig) -> dict[str, list[Any]]:
-    """Examples of each task, with ``num_fewshot`` demonstrations when asked, keyed by the
-    label their results are stored under."""
-    from kvgate.data.fewshot import add_fewshot, fewshot_label
-
-    out = {}
-    for task in cfg.tasks:
-        examples = load_split(task, cfg.split, cfg.limit)
-        if cfg.num_fewshot:
-            pool = load_split(task, cfg.fewshot_split or cfg.split)
-            examples = add_fewshot(examples, pool, cfg.num_fewshot, cfg.fewshot_seed)
-        out[fewshot_label(task, cfg.num_fewshot)] = examples
-    return out
+def finish(store: ResultStore, extra: list[Path] | None = None) -> EvalOutput:
+    """What a command hands the registry: its store and the files it drew itself."""
+    return EvalOutput(store, list(extra or []))
 
 
 def load_texts(cfg: CorpusConfig) -> list[str]:
@@ -195,154 +162,22 @@ def load_texts(cfg: CorpusConfig) -> list[str]:
     return docs[-cfg.docs:]
 
 
-def write_patterns(model: Any, tokenizer: Any, tasks: dict[str, list[Any]],
-                   policies: dict[str, Policy], budget: Budget, samples: int,
-                   out: Path, cfg: TaskConfig | None = None) -> list[Path]:
-    """Eviction-pattern plots of the first ``samples`` examples of the first task (cut as
-    ``cfg``'s ``max_length`` and ``truncate`` say)."""
-    from kvgate.eval.masked import masked_scores
-    from kvgate.eval.multiple_choice import tokenize_tasks
-    from kvgate.eval.report import plot_eviction_pattern
-    from kvgate.models.limits import context_limit
-    from kvgate.models.load import pad_id
-
-    task = next(iter(tasks))
-    examples = {task: tasks[task][:samples]}
-    items = tokenize_tasks(examples, tokenizer, getattr(cfg, "max_length", None),
-                           context_limit(model.config), getattr(cfg, "truncate", False))[task]
-    paths = []
-    for name, policy in policies.items():
-        for i, (ex, item) in enumerate(zip(examples[task], items)):
-            _, keeps = masked_scores(model, [item], policy, [budget], pad_id(tokenizer),
-                                     record=True)
-            tokens = None
-            if hasattr(tokenizer, "convert_ids_to_tokens"):
-                tokens = tokenizer.convert_ids_to_tokens(list(item.context))
-            path = out / f"pattern_{name}_{task}_{i}.png"
-            paths.append(plot_eviction_pattern(keeps[0], path, f"{name} on {ex.uid}:", tokens))
-    return paths
-
-
-# ---------------------------------------------------------------------------------------------
-# the commands
-
-
-def run_mc(cfg: MCConfig, load: Loader | None = None) -> EvalOutput:
-    """Every (task, policy, budget) at fixed budgets; eviction patterns of a thresholded gate."""
-    from kvgate.eval.multiple_choice import evaluate_mc
-
-    model, tokenizer, policies, store = _loaded(cfg, load, cfg.build_policies())
-    tasks = load_tasks(cfg)
-    with _kept_on_interrupt(store):
-        evaluate_mc(model, tokenizer, tasks, policies, cfg.budgets, cfg.mode, store,
-                    batch_size=cfg.batch_size, max_length=cfg.max_length,
-                    progress=cfg.progress, truncate=cfg.truncate)
-    # thresholded gates (a ranked one has budgets: the `pattern` command draws it)
-    gated = {n: p for n, p in policies.items() if needs_gate(p) and p.budget_free}
-    extra = []
-    if gated and cfg.patterns:
-        extra = write_patterns(model, tokenizer, tasks, gated, Budget(ratio=1.0), cfg.patterns,
-                               Path(cfg.out), cfg)
-    return _finish(store, extra)
-
-
-def run_matched(cfg: MatchedConfig, load: Loader | None = None) -> EvalOutput:
-    """The reference policy, then the others at its per-example eviction."""
-    from kvgate.eval.multiple_choice import evaluate_matched
-
-    model, tokenizer, policies, store = _loaded(cfg, load, cfg.build_policies())
-    reference, ref_label, ref_budget = cfg.build_reference(), cfg.reference_label, \
-        cfg.reference_budget
-    tasks = load_tasks(cfg)
-    others = model.disable_adapter if cfg.others_on == "base" else None
-    with _kept_on_interrupt(store):
-        evaluate_matched(model, tokenizer, tasks, policies, reference, cfg.mode, store,
-                         reference_name=ref_label, reference_budget=ref_budget,
-                         batch_size=cfg.batch_size, max_length=cfg.max_length,
-                         progress=cfg.progress, others=others, rounding=cfg.rounding,
-                         truncate=cfg.truncate)
-    extra = []
-    if cfg.patterns and needs_gate(reference):
-        extra = write_patterns(model, tokenizer, tasks, {ref_label: reference},
-                               Budget(ratio=1.0) if reference.budget_free else ref_budget,
-                               cfg.patterns, Path(cfg.out), cfg)
-    return _finish(store, extra)
-
-
 def run_scored(cfg: EvalConfig, load: Loader | None,
                score: Callable[[Any, Any, dict[str, Policy], ResultStore], list[str]],
                ) -> EvalOutput:
     """What a scoring command does around its scoring: load the model and open the store,
     ``score(model, tokenizer, policies, store)`` (it returns the result keys), add the paired
-    differences of ``cfg.paired`` when it has one, write results.md and the plots."""
-    model, tokenizer, policies, store = _loaded(cfg, load, cfg.build_policies())
-    with _kept_on_interrupt(store):
+    differences of ``cfg.paired`` when it has one (the registry then writes results.md and the
+    plots)."""
+    model, tokenizer, policies, store = loaded(cfg, load, cfg.build_policies())
+    with kept_on_interrupt(store):
         keys = score(model, tokenizer, policies, store)
     paired = getattr(cfg, "paired", None)
     if paired is not None:
         from kvgate.eval.paired import add_paired
 
         add_paired(store, keys, paired)
-    return _finish(store)
-
-
-def run_needle(cfg: NeedleConfig, load: Loader | None = None) -> EvalOutput:
-    """Passkey accuracy per (length, depth, policy, budget)."""
-    from kvgate.eval.needle import evaluate_needle
-
-    return run_scored(cfg, load, lambda model, tokenizer, policies, store: evaluate_needle(
-        model, tokenizer, load_texts(cfg), cfg.lengths, cfg.depths, policies, cfg.budgets,
-        store, scoring=cfg.scoring, mode=cfg.mode, samples=cfg.samples,
-        distractors=cfg.distractors, max_new_tokens=cfg.max_new_tokens,
-        batch_size=cfg.batch_size, seed=cfg.seed, progress=cfg.progress,
-        query_aware=cfg.query_aware, scores=cfg.score))
-
-
-def run_ruler(cfg: RulerConfig, load: Loader | None = None) -> EvalOutput:
-    """RULER-style task families per (task, length, policy, budget), question-agnostic unless
-    ``query_aware``."""
-    from kvgate.eval.ruler.run import evaluate_ruler
-
-    return run_scored(cfg, load, lambda model, tokenizer, policies, store: evaluate_ruler(
-        model, tokenizer, cfg.tasks, cfg.lengths, policies, cfg.budgets, store,
-        depths=cfg.depths, limit=cfg.limit, query_aware=cfg.query_aware, chat=cfg.chat,
-        seed=cfg.seed, max_new_tokens=cfg.max_new_tokens, progress=cfg.progress,
-        source=cfg.source, scores=cfg.score))
-
-
-def run_longbench(cfg: LongBenchConfig, load: Loader | None = None) -> EvalOutput:
-    """LongBench tasks per (task, policy, budget) with LongBench's metrics, question-agnostic
-    unless ``query_aware``. The data is read before the model loads: an unreachable hub or a
-    bad folder fails at once."""
-    from kvgate.eval.longbench.run import evaluate_longbench, load_examples
-
-    examples = load_examples(cfg.tasks, cfg.source, cfg.limit)
-    return run_scored(cfg, load, lambda model, tokenizer, policies, store: evaluate_longbench(
-        model, tokenizer, examples, policies, cfg.budgets, store, max_length=cfg.max_length,
-        query_aware=cfg.query_aware, chat=cfg.chat, max_new_tokens=cfg.max_new_tokens,
-        progress=cfg.progress, scores=cfg.score))
-
-
-def run_ppl(cfg: PPLConfig, load: Loader | None = None) -> EvalOutput:
-    """Perplexity under eviction (per text, or over fixed windows with ``context``)."""
-    from kvgate.eval.ppl import evaluate_ppl
-
-    model, tokenizer, policies, store = _loaded(cfg, load, cfg.build_policies())
-    with _kept_on_interrupt(store):
-        evaluate_ppl(model, tokenizer, load_texts(cfg), policies, cfg.budgets, store,
-                     mode=cfg.mode, max_length=cfg.max_length, prefix=cfg.prefix,
-                     batch_size=cfg.batch_size, progress=cfg.progress, context=cfg.context,
-                     continuation=cfg.continuation, windows=cfg.windows,
-                     truncate=cfg.truncate, step=cfg.step, from_files=bool(cfg.text_files))
-    return _finish(store)
-
-
-def run_pattern(cfg: PatternConfig, load: Loader | None = None) -> EvalOutput:
-    """Eviction-pattern plots of each policy at the first budget."""
-    model, tokenizer, policies, store = _loaded(cfg, load, cfg.build_policies())
-    paths = write_patterns(model, tokenizer, load_tasks(cfg), policies, cfg.budgets[0],
-                           cfg.samples, Path(cfg.out), cfg)
-    return _finish(store, paths)
+    return finish(store)
 
 
 def run_report(cfg: ReportConfig, load: Loader | None = None) -> EvalOutput:
@@ -355,4 +190,4 @@ def run_report(cfg: ReportConfig, load: Loader | None = None) -> EvalOutput:
     if data is None:
         raise EvalError(f"{out / 'results.json'}: no readable results")
     check_results(out / "results.json", data)
-    return _finish(ResultStore(out, data.get("meta", {})))
+    return finish(ResultStore(out, data.get("meta", {})))

@@ -1,17 +1,20 @@
-"""One typed config per evaluation command: here ``kvgate eval mc|matched|pattern|report``
-and what they share; needle, ppl, ruler and longbench in :mod:`kvgate.eval.config_long`.
+"""What every evaluation command's config shares (``EvalConfig``: the model, the output
+folder, the policies; ``CorpusConfig``: texts of the corpus or of files) and the checks of
+their values; ``ReportConfig`` (``kvgate eval report``). Each benchmark's own config sits in
+its folder (``kvgate.eval.benchmarks.<name>.config``).
 
 Each dataclass holds exactly the options of its command, named as its flags are
 (``--max-length`` -> ``max_length``, ``--no-progress`` -> ``progress=False``); each field is
 declared with its flag's help (:func:`kvgate.eval.options.opt`), so the command line is
-written from it and every default lives here once. ``run(load)`` runs the command. List options
-take a comma-separated string, as on the command line, or a sequence, and are stored as lists
-of their type; ``__post_init__`` checks every value before any model loads, and a bad one
-raises :class:`~kvgate.eval.errors.EvalError` with one line that names the flag::
+written from it and every default lives here once; the registry (:mod:`kvgate.eval.registry`)
+runs it. List options take a comma-separated string, as on the command line, or a sequence,
+and are stored as lists of their type; ``__post_init__`` checks every value before any model
+loads, and a bad one raises :class:`~kvgate.eval.errors.EvalError` with one line that names
+the flag::
 
-    from kvgate.eval import MCConfig, run_mc
-    run_mc(MCConfig(out="out/x", model="smollm2-135m", tasks="rte,copa",
-                    policies="full,snapkv", budgets=[0.5, 0.25], limit=50))
+    from kvgate.eval import MCConfig, run_eval
+    run_eval(MCConfig(out="out/x", model="smollm2-135m", tasks="rte,copa",
+                      policies="full,snapkv", budgets=[0.5, 0.25], limit=50))
 
 ``policies`` keeps the command line's syntax: ``NAME`` or ``LABEL=NAME`` items (or ``all``),
 with ``policy_opt`` items ``LABEL.KEY=VALUE`` (VALUE parsed as JSON when it can be; ``KEY=VALUE``
@@ -27,6 +30,7 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kvgate.eval.errors import EvalError
@@ -34,7 +38,6 @@ from kvgate.eval.options import opt
 from kvgate.files import check_output_dir
 
 if TYPE_CHECKING:  # the configs are read to build the flags: they import no torch until run
-    from kvgate.eval.commands import EvalOutput, Loader
     from kvgate.policies.base import Budget, Policy
 
 MODES = ("masked", "cache")
@@ -79,16 +82,6 @@ def parse_numbers(raw: str | Sequence[Any], what: str, kind: type) -> list[Any]:
     return values
 
 
-def parse_tasks(raw: str | Sequence[str]) -> list[str]:
-    from kvgate.data.tasks import TASKS
-
-    names = _items(raw)
-    if not names:
-        raise EvalError("--tasks: give at least one task")
-    for t in names:
-        if t not in TASKS:
-            raise EvalError(f"--tasks: unknown task {t!r}; known tasks: {', '.join(TASKS)}")
-    return names
 
 
 def parse_policies(raw: str | Sequence[str], options: Sequence[str] = ()) -> dict[str, Policy]:
@@ -161,11 +154,6 @@ class ReportConfig:
             raise EvalError("--out: give the folder of a results.json")
         check_output_dir(self.out, "--out")
 
-    def run(self, load: Loader | None = None) -> EvalOutput:
-        from kvgate.eval.commands import run_report
-
-        return run_report(self, load)
-
 
 @dataclass
 class EvalConfig:
@@ -223,128 +211,39 @@ class EvalConfig:
         """Fresh policy objects by label."""
         return parse_policies(self.policies, self.policy_opt)
 
-
-@dataclass
-class TaskConfig(EvalConfig):
-    """Scoring commands over multiple-choice tasks."""
-
-    tasks: str | list[str] = opt("rte,copa", "comma-separated task names")
-    limit: int | None = opt(None, "first N examples of each task")
-    split: str = opt("validation", "dataset split, or sft_test / sft_train: the held-out / "
-                     "training part of the deterministic SFT cut (kvgate.data.load_sft_split)")
-    max_length: int | None = opt(None, "cut contexts from the left to fit this many tokens")
-    num_fewshot: int = opt(0, "solved examples before each context (kvgate.data.fewshot); "
-                           "results are stored under TASK@Kshot", metavar="K")
-    fewshot_split: str | None = opt(None, "split the demonstrations come from (default: "
-                                    "--split; the example itself is never drawn)")
-    fewshot_seed: int = opt(0, "seed of the demonstrations' draw")
-    mode: str = opt("masked", "keep decisions as attention masks in one forward, or a real "
-                    "compressed cache", choices=MODES)
-    patterns: int = opt(3, "eviction-pattern plots of the first N examples for the learned "
-                        "gate (0 = none)")
-    truncate: bool = opt(False, "cut a context longer than the model's from the start (a "
-                         "warning lists what was dropped) instead of refusing it")
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        self.tasks = parse_tasks(self.tasks)
-        _at_least(self.limit, "--limit")
-        _at_least(self.max_length, "--max-length")
-        _at_least(self.num_fewshot, "--num-fewshot", 0)
-        _at_least(self.patterns, "--patterns", 0)
-        _one_of(self.mode, "--mode", MODES)
-
-    def settings(self) -> dict[str, Any]:
-        shots = {}
-        if self.num_fewshot:  # the demonstrations' source matters only when there are some
-            shots = {"fewshot_split": self.fewshot_split or self.split,
-                     "fewshot_seed": self.fewshot_seed}
-        return {**super().settings(), "split": self.split, "max_length": self.max_length,
-                "truncate": bool(self.truncate), **shots}
+    def gate_checked(self, policies: dict[str, Policy]) -> list[Policy]:
+        """The policies whose gate the loaded model must have (``matched``: its reference)."""
+        return list(policies.values())
 
 
 @dataclass
-class MCConfig(TaskConfig):
-    """Multiple choice at fixed budgets."""
+class CorpusConfig(EvalConfig):
+    """Scoring commands over corpus texts."""
 
     budgets: str | list[Budget] = opt("0.5", "comma-separated budgets: kept ratios or token "
                                       "counts")
+    docs: int = opt(50, "corpus documents to use: the last N of the seeded corpus order "
+                    "(after any training prefix)")
+    text_files: list[str] | None = opt(None, "use these .txt/.jsonl files instead of the "
+                                       "embedded corpus", nargs="*")
+    seed: int = opt(0, "seed of the corpus order (and of the needle's keys and offsets)")
+    mode: str = opt("masked", "keep decisions as attention masks in one forward, or a real "
+                    "compressed cache", choices=MODES)
 
     def __post_init__(self) -> None:
         super().__post_init__()
         self.budgets = parse_budgets(self.budgets)
+        _at_least(self.docs, "--docs")
+        _one_of(self.mode, "--mode", MODES)
+        if self.text_files:  # a missing, malformed or non-UTF-8 file: one line before loading
+            from kvgate.data import load_text_files
 
-    def run(self, load: Loader | None = None) -> EvalOutput:
-        from kvgate.eval.commands import run_mc
+            load_text_files(self.text_files)
 
-        return run_mc(self, load)
-
-
-@dataclass
-class MatchedConfig(TaskConfig):
-    """Heuristics at the learned gate's per-example eviction ratio."""
-
-    policies: str | list[str] = opt("snapkv,h2o", "comma-separated policy names, or 'all'")
-    reference: str = opt("attention_gate", "policy whose per-example eviction the others "
-                         "match; LABEL=POLICY takes --policy-opt LABEL.KEY=VALUE options")
-    reference_budget: str | float | Budget = opt("0.5", "budget of a heuristic reference "
-                                                 "(attention_gate and full ignore it)")
-    rounding: str = opt("up", "each example's kept count per head from the reference's "
-                        "eviction: rounded up (the others evict a little less), or to the "
-                        "nearest token (the same eviction on average; budget label "
-                        "matched~...)", choices=("up", "nearest"))
-    others_on: str = opt("checkpoint", "what the other policies run on: the checkpoint's "
-                         "model, or its frozen base with the LoRA adapter off (the "
-                         "reference keeps it)", choices=("checkpoint", "base"))
-
-    def __post_init__(self) -> None:
-        _one_of(self.rounding, "--rounding", ("up", "nearest"))
-        _one_of(self.others_on, "--others-on", ("checkpoint", "base"))
-        if self.others_on == "base" and self.checkpoint is None:
-            raise EvalError("--others-on base needs --checkpoint (a base model has no adapter "
-                            "to switch off)")
-        from kvgate.policies.base import Budget
-
-        self.reference_budget = _flagged("--reference-budget", Budget.parse,
-                                         self.reference_budget)
-        self.build_reference()  # the reference and its options are checked first
-        super().__post_init__()
-
-    @property
-    def reference_label(self) -> str:
-        return self.reference.partition("=")[0].strip()
-
-    def _split_options(self) -> tuple[list[str], list[str]]:
-        """(--policy-opt items of the reference's label, the others' items)."""
-        mine = [o for o in self.policy_opt if o.partition(".")[0] == self.reference_label]
-        return mine, [o for o in self.policy_opt if o not in mine]
-
-    def build_reference(self) -> Policy:
-        return parse_policies(self.reference, self._split_options()[0])[self.reference_label]
-
-    def build_policies(self) -> dict[str, Policy]:
-        return parse_policies(self.policies, self._split_options()[1])
-
-    def run(self, load: Loader | None = None) -> EvalOutput:
-        from kvgate.eval.commands import run_matched
-
-        return run_matched(self, load)
-
-
-@dataclass
-class PatternConfig(TaskConfig):
-    """Plot which entries a policy keeps (at the first budget)."""
-
-    policies: str | list[str] = opt("attention_gate", "comma-separated policy names")
-    budgets: str | list[Budget] = opt("0.5", "comma-separated budgets (the first is drawn)")
-    samples: int = opt(3, "examples to draw")
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        self.budgets = parse_budgets(self.budgets)
-        _at_least(self.samples, "--samples")
-
-    def run(self, load: Loader | None = None) -> EvalOutput:
-        from kvgate.eval.commands import run_pattern
-
-        return run_pattern(self, load)
+    def settings(self) -> dict[str, Any]:
+        if self.text_files:
+            texts: dict[str, Any] = {"text_files": [str(Path(f).resolve())
+                                                    for f in self.text_files]}
+        else:
+            texts = {"text_files": None, "docs": self.docs, "seed": self.seed}
+        return {**super().settings(), **texts}

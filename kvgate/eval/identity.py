@@ -6,7 +6,7 @@ comes back to it; one that differs is refused in one line naming the setting and
 
 - Model identity (``model``, ``checkpoint``, ``weights``: a digest of the checkpoint's file
   inventory or of a local model folder, ``others_on``) is per folder, in ``meta``: a folder's
-  table compares policies on one model (:class:`kvgate.eval.report.ResultStore`).
+  table compares policies on one model (:class:`kvgate.eval.store.ResultStore`).
 - What the result's key names is checked by the key itself: kind, task (with ``@Kshot``, the
   needle's ``length@depth``, the ppl window ``@C+K``, ruler's ``TASK@LENGTH``), policy label, budget (``matched-`` /
   ``matched~`` for the rounding and the reference), mode (the needle's scoring).

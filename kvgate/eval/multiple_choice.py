@@ -5,7 +5,7 @@ Prompts are zero-shot unless demonstrations were put before them (``kvgate.data.
 Scoring (lm-evaluation-harness style): each choice's score is the sum of its tokens'
 log-probabilities after the context; ``acc`` takes the best sum, ``acc_norm`` the best sum
 divided by the choice's length in characters. The same continuation scorer serves the needle
-ranking and perplexity under eviction (``kvgate.eval.needle``).
+ranking and perplexity under eviction (``kvgate.eval.benchmarks.needle.run``).
 
 Modes:
 - ``masked`` (the paper's way, ``kvgate.eval.masked``): one forward per example, the keep
@@ -40,8 +40,8 @@ from kvgate.attention.masks import left_pad, right_pad
 from kvgate.data.tasks import MCExample
 from kvgate.eval.errors import EvalError, encode, model_device, model_shape
 from kvgate.eval.masked import ItemScore, ScoringItem, check_budget_ratio, masked_scores
-from kvgate.eval.report import ResultStore, budget_label, make_key
 from kvgate.eval.resumable import evict_summary, run_resumable
+from kvgate.eval.store import ResultStore, budget_label, make_key
 from kvgate.inference import Engine
 from kvgate.inference.compress import run_passes
 from kvgate.inference.decode import left_padded_positions

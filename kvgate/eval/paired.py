@@ -17,7 +17,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from kvgate.eval.intervals import paired_share_interval
-from kvgate.eval.report import ResultStore, make_key, split_key
+from kvgate.eval.store import ResultStore, make_key, split_key
 
 Row = Mapping[str, Any]
 

@@ -15,7 +15,7 @@ from tqdm.auto import tqdm
 
 from kvgate.eval.identity import check_inputs, input_digest
 from kvgate.eval.masked import ScoringItem
-from kvgate.eval.report import ResultStore
+from kvgate.eval.store import ResultStore
 from kvgate.policies.base import Policy
 from kvgate.policies.registry import policy_spec
 

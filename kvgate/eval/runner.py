@@ -29,10 +29,10 @@ from torch import nn
 
 from kvgate.cache.shared_passes import share_group
 from kvgate.eval.asked import Asked, Question, ask_agnostic, ask_query_aware, ask_shared
-from kvgate.eval.config_long import check_scores
 from kvgate.eval.intervals import mean_interval
-from kvgate.eval.report import ResultStore, budget_label, make_key
+from kvgate.eval.qa_options import check_scores
 from kvgate.eval.resumable import add_records, evict_summary, run_resumable
+from kvgate.eval.store import ResultStore, budget_label, make_key
 from kvgate.eval.teacher import answer_tokens
 from kvgate.policies.base import Budget, Policy
 

@@ -13,7 +13,7 @@ from typing import Any
 
 from kvgate.eval.errors import EvalError
 
-KEY_PARTS = 5  # kind|task|policy|budget|mode (kvgate.eval.report.make_key)
+KEY_PARTS = 5  # kind|task|policy|budget|mode (kvgate.eval.store.make_key)
 
 
 def _kind(value: Any) -> str:

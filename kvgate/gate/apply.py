@@ -8,10 +8,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from kvgate.attention.gated import gated_attention
-from kvgate.attention.masks import last_real, memoised, new_token_validity
+from kvgate.attention.masks import last_real, memoised
 from kvgate.gate.config import GateConfig
-from kvgate.models.dispatch import ForwardContext
 
 
 @dataclass
@@ -24,6 +22,13 @@ class GateRecord:
     # [B, H_gate, n] raw scores whose gradient reaches this gate's parameters only (kept when
     # the router asks: the oracle objective, kvgate.recipes.oracle); None otherwise
     scores: Tensor | None = None
+
+
+def straight_through(scores: Tensor, gamma: float, tau: float) -> Tensor:
+    """Hard keep flags in the forward pass, the sigmoid's gradient in the backward pass."""
+    soft = torch.sigmoid(scores + gamma)
+    hard = (soft > tau).to(soft.dtype)
+    return hard + soft - soft.detach()
 
 
 def gate_attend_mask(valid: Tensor, prompt: Tensor | None, mode: str,
@@ -74,8 +79,6 @@ def compute_gate(module: nn.Module, hidden: Tensor, position_embeddings, valid: 
     only losses read the gates: ``kvgate.gate.patch.gate_graph_only``). ``all_real``: no token
     is padding (``valid`` all true), known without reading it back. ``memo``: the forward's
     memo of the mask ``valid`` and ``prompt`` come from (``gate_attention_mask``)."""
-    from kvgate.gate.base import straight_through  # the gates import this module
-
     gate_mod = module.kv_gate
     counted = counted_tokens(gate_mod.config, valid, prompt)
     if module.layer_idx < gate_mod.config.ungated_layers:
@@ -149,45 +152,3 @@ def forced_tokens(cfg: GateConfig, valid: Tensor, counted: Tensor, prompt: Tenso
         recent = torch.full((valid.shape[0],), cfg.recent, device=valid.device)
         forced = forced | last_real(prompt & valid, recent)[:, 0]
     return forced
-
-
-def gated_layer_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor,
-                          attention_mask: Tensor | None, scaling: float | None,
-                          context: ForwardContext, **_: object):
-    """Gated attention for one layer; returns (output [B, n, H, d], None) like transformers'."""
-    router = context.router
-    if router.prefix is not None and module.layer_idx in router.prefix:
-        # one-shot training's two passes (kvgate.gate.prefix)
-        from kvgate.gate.prefix import prefix_attention
-
-        return prefix_attention(module, query, key, value, scaling, context)
-    b, _, n, _ = query.shape
-    if key.shape[2] != n:
-        # A plain cache holding earlier tokens: the gate defines eviction at prefill only, and a
-        # plain cache cannot forget, so decode runs ungated here. Gated generation uses
-        # CompressedCache with the attention_gate policy, which stores only kept entries.
-        from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling)
-    # the cache's reading of the mask (a padding query does not see itself): training and a
-    # cached prefill agree on which tokens are real
-    memo = context.memo(attention_mask)
-    valid = memoised(memo, ("valid", b, n),
-                     lambda: new_token_validity(attention_mask, b, n, query.device))
-    call = context.call(module.layer_idx)
-    record = compute_gate(module, call.hidden, call.position_embeddings, valid,
-                          router.prompt_mask,
-                          previous_hidden=context.call(module.layer_idx - 1).hidden,
-                          own_scores=router.gate_scores, graph=router.gate_graph,
-                          all_real=attention_mask is None, memo=memo)
-    router.records[module.layer_idx] = record
-    prompt = None
-    if module.kv_gate.config.prefill == "full":
-        # one-shot: without a marked prompt the whole input is the prompt, encoded in full
-        prompt = router.prompt_mask
-        if prompt is None:
-            prompt = torch.ones(b, n, dtype=torch.bool, device=query.device)
-    out = gated_attention(query, key, value, record.gate, attention_mask, scaling=scaling,
-                          recent=module.kv_gate.config.recent, prompt=prompt,
-                          kernel=module.kv_gate.config.kernel, memo=memo)
-    return out.transpose(1, 2).contiguous(), None

@@ -6,16 +6,12 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from kvgate.gate.apply import gated_layer_attention
+from kvgate.attention.gated import gated_attention
+from kvgate.attention.masks import memoised, new_token_validity
+from kvgate.gate.apply import compute_gate, straight_through
 from kvgate.gate.config import GateConfig
+from kvgate.gate.prefix import prefix_attention
 from kvgate.models.dispatch import ForwardContext, GatedRoute, Router
-
-
-def straight_through(scores: Tensor, gamma: float, tau: float) -> Tensor:
-    """Hard keep flags in the forward pass, the sigmoid's gradient in the backward pass."""
-    soft = torch.sigmoid(scores + gamma)
-    hard = (soft > tau).to(soft.dtype)
-    return hard + soft - soft.detach()
 
 
 def in_gate_dtype(hidden: Tensor, weight: Tensor) -> Tensor:
@@ -73,3 +69,43 @@ class Gate(GatedRoute):
                      attention_mask: Tensor | None, scaling: float | None,
                      context: ForwardContext, **kwargs) -> tuple[Tensor, None]:
         return gated_layer_attention(module, query, key, value, attention_mask, scaling, context)
+
+
+def gated_layer_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor,
+                          attention_mask: Tensor | None, scaling: float | None,
+                          context: ForwardContext, **_: object):
+    """Gated attention for one layer; returns (output [B, n, H, d], None) like transformers'."""
+    router = context.router
+    if router.prefix is not None and module.layer_idx in router.prefix:
+        # one-shot training's two passes (kvgate.gate.prefix)
+        return prefix_attention(module, query, key, value, scaling, context)
+    b, _, n, _ = query.shape
+    if key.shape[2] != n:
+        # A plain cache holding earlier tokens: the gate defines eviction at prefill only, and a
+        # plain cache cannot forget, so decode runs ungated here. Gated generation uses
+        # CompressedCache with the attention_gate policy, which stores only kept entries.
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling)
+    # the cache's reading of the mask (a padding query does not see itself): training and a
+    # cached prefill agree on which tokens are real
+    memo = context.memo(attention_mask)
+    valid = memoised(memo, ("valid", b, n),
+                     lambda: new_token_validity(attention_mask, b, n, query.device))
+    call = context.call(module.layer_idx)
+    record = compute_gate(module, call.hidden, call.position_embeddings, valid,
+                          router.prompt_mask,
+                          previous_hidden=context.call(module.layer_idx - 1).hidden,
+                          own_scores=router.gate_scores, graph=router.gate_graph,
+                          all_real=attention_mask is None, memo=memo)
+    router.records[module.layer_idx] = record
+    prompt = None
+    if module.kv_gate.config.prefill == "full":
+        # one-shot: without a marked prompt the whole input is the prompt, encoded in full
+        prompt = router.prompt_mask
+        if prompt is None:
+            prompt = torch.ones(b, n, dtype=torch.bool, device=query.device)
+    out = gated_attention(query, key, value, record.gate, attention_mask, scaling=scaling,
+                          recent=module.kv_gate.config.recent, prompt=prompt,
+                          kernel=module.kv_gate.config.kernel, memo=memo)
+    return out.transpose(1, 2).contiguous(), None

@@ -20,6 +20,7 @@ import torch
 from torch import Tensor, nn
 
 from kvgate.attention.gated import gated_attention
+from kvgate.gate.apply import compute_gate
 from kvgate.models import dispatch
 
 
@@ -79,8 +80,6 @@ def continuation_positions(prompt_len: int, continuation_ids: Tensor) -> Tensor:
 def prefix_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor,
                      scaling: float | None, context: dispatch.ForwardContext):
     """One gated layer in either pass; returns (output [B, n, H, d], None) like transformers'."""
-    from kvgate.gate.apply import compute_gate
-
     gate_mod = module.kv_gate
     slots = context.router.prefix
     slot = slots[module.layer_idx]

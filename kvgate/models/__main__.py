@@ -1,8 +1,8 @@
-"""``python -m kvgate.models --prepare smollm2-135m``: the one-time conversion of embedded models
-(the same conversion as ``kvgate prepare smollm2-135m``: ``kvgate.models.prepare_embedded``)."""
+"""``python -m kvgate.models --prepare smollm2-135m``: ``kvgate prepare smollm2-135m`` under its
+old spelling (:func:`kvgate.cli.tools.main_prepare`)."""
 
 import sys
 
-from kvgate.models.load import main
+from kvgate.cli.tools import main_prepare
 
-sys.exit(main())
+sys.exit(main_prepare())

@@ -8,16 +8,14 @@
 - a hub id, through ``from_pretrained``. When the hub cannot be reached it falls back to
   the local hub cache and otherwise fails in seconds, instead of retrying for minutes.
 
-Run ``python -m kvgate.models --prepare smollm2-135m`` to do the one-time conversion.
+Run ``kvgate prepare smollm2-135m`` to do the one-time conversion.
 """
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import os
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -227,20 +225,3 @@ def _check_config_early(name_or_path: str) -> None:
         except (ValueError, AttributeError) as err:
             raise ModelLoadError(f"{config_file} is not a valid JSON config") from err
         check_supported(SimpleNamespace(model_type=model_type))
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m kvgate.models", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--prepare", metavar="ALIAS", action="append", default=[],
-                        choices=sorted(EMBEDDED), help="convert an embedded model once")
-    args = parser.parse_args(argv)
-    if not args.prepare:
-        parser.error("nothing to do: pass --prepare ALIAS")
-    for alias in args.prepare:
-        try:
-            print(f"{alias}: {prepare_embedded(alias)}")
-        except ModelLoadError as err:
-            print(f"error: {err}", file=sys.stderr)
-            return 1
-    return 0

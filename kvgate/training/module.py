@@ -328,7 +328,7 @@ class KVGateModule(TrainingObjective, L.LightningModule):
                                    self.trainer.estimated_stepping_batches)
 
     def configure_callbacks(self):
-        from kvgate.training.callbacks import default_callbacks
+        from kvgate.training.monitors import default_callbacks
 
         return default_callbacks(self)
 

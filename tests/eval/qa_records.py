@@ -26,9 +26,9 @@ def records(tmp: Path) -> dict[str, dict[str, dict]]:
     from conftest import build, tiny_llama_config
     from engine_toys import char_tokenizer
 
-    from kvgate.eval.needle import evaluate_needle
-    from kvgate.eval.report import ResultStore
-    from kvgate.eval.ruler.run import evaluate_ruler
+    from kvgate.eval.benchmarks.needle.run import evaluate_needle
+    from kvgate.eval.benchmarks.ruler.run import evaluate_ruler
+    from kvgate.eval.store import ResultStore
     from kvgate.policies import Budget, get_policy
 
     model = build(tiny_llama_config(max_position_embeddings=640))

@@ -1,6 +1,7 @@
-"""A benchmark added through the registry alone (one config class, one ``COMMANDS`` line)
-runs end to end from the command line, with its help written from its config; paired
-differences are seeded and a policy against itself differs by exactly [0, 0]."""
+"""A benchmark added as docs/ARCHITECTURE.md says (its config, run function and report written
+in one file, here this one, and one ``COMMANDS`` line) runs end to end from the command line,
+with its help written from its config and its own table in results.md; paired differences
+are seeded and a policy against itself differs by exactly [0, 0]."""
 
 from __future__ import annotations
 
@@ -13,11 +14,13 @@ from conftest import build, tiny_llama_config
 from eval_fakes import cli, results
 
 import kvgate.eval.commands
+from kvgate.eval.columns import column_table
+from kvgate.eval.command import Command, Report
 from kvgate.eval.commands import run_scored
 from kvgate.eval.config import EvalConfig, parse_budgets
-from kvgate.eval.config_long import check_qa, paired_opt, score_opt
 from kvgate.eval.options import opt
 from kvgate.eval.paired import paired_difference
+from kvgate.eval.qa_options import check_qa, paired_opt, score_opt
 from kvgate.eval.registry import COMMANDS
 from kvgate.eval.runner import Cell, QABenchmark, run_qa, text_item
 
@@ -44,21 +47,27 @@ class ToyConfig(EvalConfig):
     def settings(self):
         return {**super().settings(), "score": self.score}
 
-    def run(self, load=None):
-        def score(model, tokenizer, policies, store):
-            items = [text_item(tokenizer, f"toy:{i}", f"word{i} is first, then more words.",
-                               "Which word is first?", "It is", [f"word{i}"], 4)
-                     for i in range(self.limit)]
-            return run_qa(model, tokenizer, TOY, [Cell("copy", items)], policies, self.budgets,
-                          store, scores=self.score, progress=self.progress)
 
-        return run_scored(self, load, score)
+def run_toy(cfg: ToyConfig, load=None):
+    def score(model, tokenizer, policies, store):
+        items = [text_item(tokenizer, f"toy:{i}", f"word{i} is first, then more words.",
+                           "Which word is first?", "It is", [f"word{i}"], 4)
+                 for i in range(cfg.limit)]
+        return run_qa(model, tokenizer, TOY, [Cell("copy", items)], policies, cfg.budgets,
+                      store, scores=cfg.score, progress=cfg.progress)
+
+    return run_scored(cfg, load, score)
+
+
+TOY_COMMAND = Command(ToyConfig, run_toy, Report("toy", lambda rows: column_table(
+    "toy", [("task", "task"), ("policy", "policy"), ("budget", "budget"), ("n", "n"),
+            ("acc", "score %")], rows)))
 
 
 @pytest.fixture
 def toy(monkeypatch):
     model = build(tiny_llama_config())
-    monkeypatch.setitem(COMMANDS, "toy", ToyConfig)
+    monkeypatch.setitem(COMMANDS, "toy", TOY_COMMAND)
     monkeypatch.setattr(kvgate.eval.commands, "load_model",
                         lambda cfg: (model, char_tokenizer(), {"model": "tiny",
                                                                "checkpoint": None}))
@@ -89,6 +98,8 @@ def test_a_benchmark_added_through_the_registry_runs_end_to_end(capsys, toy, tmp
     full = res["toy|copy|full|none|agnostic"]["paired"]
     assert (full["diff"], full["ci_low"], full["ci_high"], full["n"]) == (0.0, 0.0, 0.0, 2)
     assert res["toy|copy|snapkv|0.5|agnostic"]["paired"]["policy"] == "full"
+    table = (tmp_path / "results.md").read_text()
+    assert table.startswith("### toy") and "| copy | snapkv | 0.5 | 2 |" in table
 
     code, _, err = cli(capsys, "eval", "toy", "--model", "x", "--out", str(tmp_path / "b"),
                        "--score", "guess")

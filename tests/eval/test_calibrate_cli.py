@@ -13,7 +13,7 @@ from eval_fakes import cli
 
 import kvgate
 import kvgate.eval.commands
-from kvgate.eval.ruler.tasks import generate
+from kvgate.eval.benchmarks.ruler.tasks import generate
 from kvgate.inference.calibrate import evicted_share
 from kvgate.policies import get_policy
 

@@ -7,6 +7,8 @@ import torch
 from eval_fakes import CharTokenizer
 
 import kvgate.eval.__main__ as cli
+import kvgate.eval.commands
+from kvgate.eval.config import parse_policies
 from kvgate.gate import GateConfig, patch
 
 
@@ -15,13 +17,14 @@ def no_model(monkeypatch):
     def refuse(args):
         raise AssertionError("the model must not load when the arguments are wrong")
 
-    monkeypatch.setattr(cli, "load_model", refuse)
+    monkeypatch.setattr(kvgate.eval.commands, "load_model", refuse)
 
 
 @pytest.fixture
 def tiny_cli(monkeypatch, tiny_llama):
-    monkeypatch.setattr(cli, "load_model", lambda args: (tiny_llama, CharTokenizer(),
-                                                         {"model": "tiny", "checkpoint": None}))
+    monkeypatch.setattr(kvgate.eval.commands, "load_model",
+                        lambda args: (tiny_llama, CharTokenizer(),
+                                      {"model": "tiny", "checkpoint": None}))
     return tiny_llama
 
 
@@ -140,8 +143,9 @@ def test_kvzip_runs_its_repeat_pass_in_cache_mode(capsys, tiny_cli, tmp_path, co
 def test_matched_end_to_end_with_patterns(capsys, monkeypatch, tiny_llama, tmp_path):
     torch.manual_seed(0)
     patch(tiny_llama, GateConfig(gamma=0.0))
-    monkeypatch.setattr(cli, "load_model", lambda args: (tiny_llama, CharTokenizer(),
-                                                         {"model": "tiny", "checkpoint": "c"}))
+    monkeypatch.setattr(kvgate.eval.commands, "load_model",
+                        lambda args: (tiny_llama, CharTokenizer(),
+                                      {"model": "tiny", "checkpoint": "c"}))
     code, out, err = run(capsys, "matched", "--checkpoint", "c", "--out", str(tmp_path),
                          "--tasks", "copa", "--policies", "window,h2o", "--limit", "3",
                          "--patterns", "2", "--no-progress")
@@ -166,8 +170,9 @@ def test_matched_reference_takes_a_label_and_its_own_options(capsys, monkeypatch
                                                              tmp_path):
     torch.manual_seed(0)
     patch(tiny_llama, GateConfig(gamma=0.0))
-    monkeypatch.setattr(cli, "load_model", lambda args: (tiny_llama, CharTokenizer(),
-                                                         {"model": "tiny", "checkpoint": "c"}))
+    monkeypatch.setattr(kvgate.eval.commands, "load_model",
+                        lambda args: (tiny_llama, CharTokenizer(),
+                                      {"model": "tiny", "checkpoint": "c"}))
     common = ["--checkpoint", "c", "--tasks", "copa", "--policies", "h2o", "--limit", "4",
               "--patterns", "0", "--no-progress"]
     code, _, err = run(capsys, "matched", "--out", str(tmp_path / "a"), *common)
@@ -204,8 +209,9 @@ def test_all_policies_on_a_base_model_skip_the_learned_gate(capsys, tiny_cli, tm
 def test_local_gate_needs_a_local_gate_kind_and_all_leaves_it_out_otherwise(
         capsys, monkeypatch, tiny_llama, tmp_path):
     patch(tiny_llama, GateConfig())  # the attention kind
-    monkeypatch.setattr(cli, "load_model", lambda args: (tiny_llama, CharTokenizer(),
-                                                         {"model": "tiny", "checkpoint": "c"}))
+    monkeypatch.setattr(kvgate.eval.commands, "load_model",
+                        lambda args: (tiny_llama, CharTokenizer(),
+                                      {"model": "tiny", "checkpoint": "c"}))
     common = ["ppl", "--checkpoint", "c", "--budgets", "0.5", "--text-files",
               str(_text(tmp_path)), "--max-length", "24", "--no-progress"]
     code, _, err = run(capsys, *common, "--out", str(tmp_path / "a"), "--policies", "local_gate")
@@ -225,19 +231,19 @@ def _text(tmp_path):
 
 
 def test_one_policy_under_two_labels_with_different_options():
-    policies = cli.parse_policies("snapkv,snap10=snapkv", ["snap10.window=0.1"])
+    policies = parse_policies("snapkv,snap10=snapkv", ["snap10.window=0.1"])
     assert list(policies) == ["snapkv", "snap10"]
     assert policies["snapkv"].window == 32 and policies["snap10"].window == 0.1
     assert policies["snap10"].name == "snapkv"
     from kvgate.eval.errors import EvalError
 
     with pytest.raises(EvalError, match="repeats a label"):
-        cli.parse_policies("snapkv,snapkv=h2o", [])
+        parse_policies("snapkv,snapkv=h2o", [])
 
 
 def test_a_json_option_reaches_the_policy_as_a_mapping():
     """select_options={"recent": 32} is parsed as JSON: the gate's H2O selector gets recent 32."""
-    policies = cli.parse_policies("sel=gate_hybrid", ["sel.select=h2o",
+    policies = parse_policies("sel=gate_hybrid", ["sel.select=h2o",
                                                       'sel.select_options={"recent": 32}'])
     assert policies["sel"].select_options == {"recent": 32}
     assert policies["sel"]._chooser.recent == 32

@@ -16,7 +16,7 @@ from eval_fakes import cli, results
 import kvgate.eval.commands
 from kvgate.data.longctx import LongExample
 from kvgate.eval import runner
-from kvgate.eval.longbench.run import as_asked, build_items
+from kvgate.eval.benchmarks.longbench.run import as_asked, build_items
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "inference"))
 from engine_toys import char_tokenizer
@@ -157,7 +157,7 @@ def test_the_averaged_table_carries_the_paired_gap_and_the_teacher_score(capsys,
     """--paired full --score generate,teacher: the average over tasks gets its paired
     difference (tasks matched one to one; [0, 0] for full itself, a plain average of the
     per-task gaps' means otherwise) and the mean greedy-exact score, as RULER's does."""
-    from kvgate.eval.longbench.report import averages
+    from kvgate.eval.benchmarks.longbench.report import averages
 
     out = tmp_path / "lbp"
     code, _, err = cli(capsys, *base(source, out, "--tasks", "hotpotqa,trec-e", "--limit", "2",

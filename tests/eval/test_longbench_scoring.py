@@ -1,4 +1,4 @@
-"""LongBench's metrics (kvgate.eval.longbench.scoring) on hand-computed cases, the per-task metric
+"""LongBench's metrics (kvgate.eval.benchmarks.longbench.scoring) on hand-computed cases, the per-task metric
 map, the first-line rule, task groups and the middle cut of over-long contexts."""
 
 from __future__ import annotations
@@ -9,8 +9,12 @@ from pathlib import Path
 import pytest
 
 from kvgate.data.longctx import LONGBENCH_E_TASKS, LONGBENCH_TASKS
-from kvgate.eval.longbench.run import MAX_NEW_TOKENS, middle_truncate, task_max_new_tokens
-from kvgate.eval.longbench.scoring import (
+from kvgate.eval.benchmarks.longbench.run import (
+    MAX_NEW_TOKENS,
+    middle_truncate,
+    task_max_new_tokens,
+)
+from kvgate.eval.benchmarks.longbench.scoring import (
     TASK_METRIC,
     LongBenchError,
     base_task,

@@ -17,8 +17,8 @@ from kvgate.eval.multiple_choice import (
     score_batch,
     tokenize_tasks,
 )
-from kvgate.eval.report import ResultStore, make_key
 from kvgate.eval.resumable import evict_summary
+from kvgate.eval.store import ResultStore, make_key
 from kvgate.gate import GateConfig, patch
 from kvgate.policies import Budget, PolicyError, get_policy
 

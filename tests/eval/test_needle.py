@@ -9,8 +9,7 @@ from conftest import build, tiny_llama_config
 from eval_fakes import CharTokenizer
 
 from kvgate.eval.asked import Question, ask_query_aware
-from kvgate.eval.errors import EvalError
-from kvgate.eval.needle import (
+from kvgate.eval.benchmarks.needle.run import (
     INTRO,
     NEEDLE,
     QUESTION,
@@ -20,8 +19,9 @@ from kvgate.eval.needle import (
     needle_set,
     rank_item,
 )
-from kvgate.eval.ppl import evaluate_ppl, ppl_items, ppl_window_items
-from kvgate.eval.report import ResultStore
+from kvgate.eval.benchmarks.ppl.run import evaluate_ppl, ppl_items, ppl_window_items
+from kvgate.eval.errors import EvalError
+from kvgate.eval.store import ResultStore
 from kvgate.policies import Budget, get_policy
 
 TOK = CharTokenizer()
@@ -276,6 +276,7 @@ def test_the_needle_table_carries_the_teacher_and_paired_columns(tmp_path):
     """--score generate,teacher --paired full on generated needles: the table gains the
     greedy-exact score, its agreement with generation and the paired gap, as RULER's does."""
     from kvgate.eval.paired import add_paired
+    from kvgate.eval.registry import reports
     from kvgate.eval.report import write_table
 
     tiny_llama = build(tiny_llama_config(max_position_embeddings=512))
@@ -285,7 +286,7 @@ def test_the_needle_table_carries_the_teacher_and_paired_columns(tmp_path):
                            [Budget(ratio=0.5)], st, scoring="generate", samples=2,
                            max_new_tokens=3, progress=False, scores=("generate", "teacher"))
     add_paired(st, keys, "full")
-    md = write_table(st).read_text()
+    md = write_table(st, reports()).read_text()
     head = next(line for line in md.splitlines() if line.startswith("| length|depth"))
     assert head.endswith("| greedy-exact % | agree % | vs full (paired) |")
     full_row = next(line for line in md.splitlines() if "| full |" in line)

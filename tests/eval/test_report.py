@@ -6,16 +6,11 @@ import pytest
 import torch
 
 from kvgate.eval import plots
+from kvgate.eval.benchmarks.mc.report import plot_eviction_pattern
 from kvgate.eval.errors import EvalError
-from kvgate.eval.report import (
-    ResultStore,
-    budget_label,
-    make_key,
-    markdown_table,
-    plot_eviction_pattern,
-    split_key,
-    write_outputs,
-)
+from kvgate.eval.registry import reports
+from kvgate.eval.report import markdown_table, write_outputs
+from kvgate.eval.store import ResultStore, budget_label, make_key, split_key
 from kvgate.policies import Budget
 
 PNG = b"\x89PNG"
@@ -54,7 +49,7 @@ def test_keys_and_budget_labels():
 
 
 def test_markdown_table_lists_complete_keys_only(tmp_path):
-    table = markdown_table(filled_store(tmp_path).complete_results())
+    table = markdown_table(filled_store(tmp_path).complete_results(), reports())
     assert "### mc" in table and "### needle" in table
     assert "| rte | snapkv | 0.25 | masked | 10 | 50.00 | 49.00 | 75.00 |" in table
     assert "h2o" not in table  # its key never completed
@@ -62,7 +57,7 @@ def test_markdown_table_lists_complete_keys_only(tmp_path):
 
 def test_write_outputs_makes_table_and_plots(tmp_path):
     st = filled_store(tmp_path)
-    paths = write_outputs(st)
+    paths = write_outputs(st, reports())
     names = sorted(p.name for p in paths)
     assert names == ["accuracy_vs_eviction.png", "needle_snapkv_0.5_rank-masked.png",
                      "results.md"]
@@ -80,7 +75,7 @@ def test_perplexity_results_get_a_ppl_vs_eviction_plot(tmp_path):
     for b, ppl in (("0.5", 11.0), ("0.3", 14.0)):
         st.put(make_key("ppl", "corpus@8+8", "h2o", b, "masked"),
                {"ppl": ppl, "evict_pct": 100 * (1 - float(b)), "n": 4}, {}, complete=True)
-    names = sorted(p.name for p in write_outputs(st))
+    names = sorted(p.name for p in write_outputs(st, reports()))
     assert names == ["ppl_vs_eviction.png", "results.md"]  # no accuracy plot without mc keys
     assert (tmp_path / "ppl_vs_eviction.png").read_bytes()[:4] == PNG
 

@@ -11,7 +11,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "inference"))
 from engine_toys import char_tokenizer
 
-from kvgate.eval.ruler import (
+from kvgate.eval.benchmarks.ruler import (
     SCORING,
     TASKS,
     RulerError,

@@ -11,9 +11,9 @@ from conftest import build, tiny_llama_config
 from eval_fakes import cli, results
 
 import kvgate.eval.commands
+from kvgate.eval.benchmarks.ruler.run import build_items
+from kvgate.eval.benchmarks.ruler.tasks import generate
 from kvgate.eval.intervals import mean_interval, stratified_interval, wilson
-from kvgate.eval.ruler.run import build_items
-from kvgate.eval.ruler.tasks import generate
 from kvgate.inference.compress import SEPARATOR
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "inference"))
@@ -171,7 +171,7 @@ def test_one_shot_policies_share_each_examples_prefill(capsys, tiny, tmp_path, m
     records equal each policy's own compress + answer; RoCo (a streamed prefill) runs alone;
     a key added later scores only itself."""
     from kvgate.eval import runner
-    from kvgate.eval.ruler.run import RULER
+    from kvgate.eval.benchmarks.ruler.run import RULER
     from kvgate.policies import get_policy
     from kvgate.policies.base import Budget
 
@@ -218,7 +218,7 @@ def test_a_run_killed_mid_group_keeps_every_record_its_shared_prefills_made(
     import json
 
     from kvgate.eval import runner
-    from kvgate.eval.report import ResultStore
+    from kvgate.eval.store import ResultStore
 
     monkeypatch.setattr(ResultStore.__init__, "__defaults__", (0.0, None))  # write every put
     calls, kill = [], [True]
@@ -269,7 +269,7 @@ def test_kvzip_variants_share_each_examples_repeat_pass(capsys, tiny, tmp_path, 
     example serve all eight keys (a SharedPasses), beside the one-shot policies' own shared
     prefill; every record equals the variant's own compress + answer."""
     from kvgate.eval import runner
-    from kvgate.eval.ruler.run import RULER
+    from kvgate.eval.benchmarks.ruler.run import RULER
     from kvgate.policies.base import Budget
 
     calls = []
@@ -353,7 +353,7 @@ def test_the_first_refusal_gives_the_length_every_task_fits(capsys, tiny, tmp_pa
 def test_averaged_rows_at_the_edges_have_intervals_of_width():
     """Issue #64 case 9: at --limit 2 every family at 100 printed "100.0-100.0" and a paired
     gap of 100 "[100, 100]" from two examples a family."""
-    from kvgate.eval.ruler.report import averages, ruler_markdown
+    from kvgate.eval.benchmarks.ruler.report import averages, ruler_markdown
 
     def rec(policy, budget, family, score):
         return {"kind": "ruler", "family": family, "length": 300, "policy": policy,

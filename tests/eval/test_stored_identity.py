@@ -12,7 +12,7 @@ from eval_fakes import CharTokenizer, cli
 
 import kvgate.eval.commands
 from kvgate.eval.errors import EvalError
-from kvgate.eval.report import ResultStore
+from kvgate.eval.store import ResultStore
 
 TEXT = ("The quick brown fox jumps over the lazy dog. It was a sunny day. The dog slept on. "
         "Birds sang in the trees while the fox ran off into the woods. ") * 3

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from conftest import load_script
 
-from kvgate.eval.report import plot_ppl_vs_eviction
+from kvgate.eval.benchmarks.ppl.report import plot_ppl_vs_eviction
 
 summarize_ablation = load_script("experiments/summarize_ablation.py")
 

@@ -12,7 +12,7 @@ import kvgate.cli.train  # Lightning's log handler takes the real stderr on impo
 import kvgate.eval.commands
 import kvgate.models
 from kvgate.cli import main
-from kvgate.eval.config import MCConfig
+from kvgate.eval.benchmarks.mc.config import MCConfig
 from kvgate.eval.errors import EvalError
 
 

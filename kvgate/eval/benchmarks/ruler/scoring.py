@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from kvgate.eval.ruler.haystack import RulerError
+from kvgate.eval.benchmarks.ruler.haystack import RulerError
 
 
 def _check(preds: Sequence[str], refs: Sequence[Sequence[str]]) -> None:
@@ -31,7 +31,7 @@ def string_match_part(preds: Sequence[str], refs: Sequence[Sequence[str]]) -> fl
 
 def score(task: str, preds: Sequence[str], refs: Sequence[Sequence[str]]) -> float:
     """The task's RULER score, in percent."""
-    from kvgate.eval.ruler.tasks import SCORING
+    from kvgate.eval.benchmarks.ruler.tasks import SCORING
 
     if task not in SCORING:
         raise RulerError(f"unknown RULER task {task!r}")

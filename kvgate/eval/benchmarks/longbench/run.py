@@ -26,7 +26,7 @@ that is compressed). A prompt (context, question and tokens to generate) longer 
 model's context is refused before anything is scored, naming a ``--max-length`` that fits.
 
 Scores: the task's LongBench metric, best over the references, in %
-(:mod:`kvgate.eval.longbench.scoring`); each record holds the answer, the score, the kept
+(:mod:`kvgate.eval.benchmarks.longbench.scoring`); each record holds the answer, the score, the kept
 share, the seconds of compress + answer and the context tokens cut. Keys:
 ``longbench|TASK|POLICY|BUDGET|MODE``; a key's summary: the mean score, its 95% interval,
 seconds per example, %Evict and, for LongBench-E tasks, the mean per length bucket (0-4k, 4-8k,
@@ -45,9 +45,9 @@ from typing import Any
 from torch import nn
 
 from kvgate.data.longctx import LongExample, load_longbench
-from kvgate.eval.longbench.scoring import TASK_METRIC, base_task, score_example
-from kvgate.eval.report import ResultStore
+from kvgate.eval.benchmarks.longbench.scoring import TASK_METRIC, base_task, score_example
 from kvgate.eval.runner import Cell, QABenchmark, QAItem, qa_summary, run_qa, text_item
+from kvgate.eval.store import ResultStore
 from kvgate.models.limits import InputTooLongError, context_limit
 from kvgate.policies.base import Budget, Policy
 

@@ -18,7 +18,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvgate.eval.ruler.haystack import (
+from kvgate.eval.benchmarks.ruler.haystack import (
     RulerError,
     boolq_rows,
     fit_exact,

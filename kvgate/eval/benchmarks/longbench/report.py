@@ -1,4 +1,4 @@
-"""LongBench results in results.md and a plot, in the style of :mod:`kvgate.eval.report`: the
+"""LongBench results in results.md and a plot (the shared writers of :mod:`kvgate.eval.columns`): the
 score per task, the average over tasks (LongBench's headline number; Bai et al.,
 arXiv:2308.14508) with a 95% interval, %Evict, seconds per example and their ratio to the full
 cache's, LongBench-E's scores by length, and score against %Evict per task."""
@@ -11,7 +11,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from kvgate.eval.columns import fmt
+from kvgate.eval.columns import fmt, task_tables
+from kvgate.eval.command import Report
 from kvgate.eval.intervals import share_interval
 
 Row = dict[str, Any]
@@ -30,7 +31,7 @@ def averages(results: Sequence[Row]) -> list[Row]:
     the mean greedy-exact score and agreement, with ``--paired`` the paired difference of the
     average (tasks matched one to one)."""
     from kvgate.eval.columns import mean_of
-    from kvgate.eval.paired import average_paired  # paired reads the store: report's module
+    from kvgate.eval.paired import average_paired  # here: the store it reads loads torch
 
     groups: dict[tuple[str, str, str], list[Row]] = defaultdict(list)
     for r in _longbench(results):
@@ -64,18 +65,10 @@ def longbench_markdown(results: Sequence[Row]) -> str:
                                                       r["mode"]))
     if not rows:
         return ""
-    from kvgate.eval.columns import score_cells, table
-
-    lines = table("longbench", "| task | metric | policy | budget | mode | n | score | 95% CI | "
-                  "%Evict | s/example |", rows,
-                  lambda r: f"| {r['task']} | {r.get('metric', '-')} | {r['policy']} | "
-                            f"{r['budget']} | {r['mode']} | {r['n']} | {score_cells(r)}")
-    lines += [""] + table("longbench (average over tasks)",
-                          "| policy | budget | mode | tasks | n | score | 95% CI | %Evict | "
-                          "s/example | x full |", averages(results),
-                          lambda a: f"| {a['policy']} | {a['budget']} | {a['mode']} | "
-                                    f"{a['tasks']} | {a['n']} | {score_cells(a)} "
-                                    f"{fmt(a['x_full'], 2)} |")
+    setting = [("policy", "policy"), ("budget", "budget"), ("mode", "mode")]
+    lines = task_tables("longbench", "score", rows, [("task", "task"), ("metric", "metric"),
+                                                     *setting],
+                        averages(results), [*setting, ("tasks", "tasks")], "tasks")
     by_length = [r for r in rows if f"acc_{BUCKETS[0]}" in r]
     if by_length:
         lines += ["", "### longbench-e (score by length)", "",
@@ -104,3 +97,6 @@ def plot_longbench_accuracy(results: Sequence[Row], out_dir: str | Path) -> list
         paths.append(panel_figure(panels, "acc", "score",
                                   Path(out_dir) / f"longbench_accuracy_{mode}.png"))
     return paths
+
+
+REPORT = Report("longbench", longbench_markdown, plot_longbench_accuracy)

@@ -32,8 +32,8 @@ from kvgate.eval.asked import Question
 from kvgate.eval.errors import EvalError, encode
 from kvgate.eval.masked import ScoringItem
 from kvgate.eval.multiple_choice import check_mode, mc_summary, run_items
-from kvgate.eval.report import ResultStore, budget_label, make_key
 from kvgate.eval.runner import Cell, QABenchmark, QAItem, run_qa
+from kvgate.eval.store import ResultStore, budget_label, make_key
 from kvgate.eval.teacher import answer_tokens
 from kvgate.models.limits import InputTooLongError, context_limit
 from kvgate.models.load import pad_id

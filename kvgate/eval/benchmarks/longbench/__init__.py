@@ -2,7 +2,7 @@
 Context Understanding", arXiv:2308.14508): its metrics (:mod:`.scoring`), the question-agnostic
 run (:mod:`.run`, ``evaluate_longbench``) and its tables and plot (:mod:`.report`)."""
 
-from kvgate.eval.longbench.scoring import (
+from kvgate.eval.benchmarks.longbench.scoring import (
     TASK_GROUPS,
     TASK_METRIC,
     LongBenchError,

@@ -1,6 +1,6 @@
 """RULER results: tables (per task family and averaged, with 95% intervals and seconds per
 example) and plots (accuracy vs eviction per family, length x depth heatmaps of the needle
-families), in the style of :mod:`kvgate.eval.report`."""
+families), drawn by the shared writers of :mod:`kvgate.eval.columns`."""
 
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from kvgate.eval.columns import fmt, mean_of
+from kvgate.eval.columns import mean_of, task_tables
+from kvgate.eval.command import Report
 from kvgate.eval.intervals import share_interval
 
 Row = dict[str, Any]
@@ -33,7 +34,7 @@ def averages(results: Sequence[Row]) -> list[Row]:
     interval (Wilson's at an effective size, :func:`kvgate.eval.intervals.share_interval`: never
     of zero width at 0 or 100%), %Evict, seconds per example and their ratio to the full
     cache's at the same length and mode (where ``full`` ran)."""
-    from kvgate.eval.paired import average_paired  # paired reads the store: report's module
+    from kvgate.eval.paired import average_paired  # here: the store it reads loads torch
 
     groups = _group(_ruler(results))
     out = []
@@ -63,21 +64,13 @@ def ruler_markdown(results: Sequence[Row]) -> str:
     rows = _ruler(results)
     if not rows:
         return ""
-    from kvgate.eval.columns import score_cells, table
-
     ordered = sorted(rows, key=lambda r: (r["family"], int(r["length"]), r["policy"],
                                           r["budget"], r["mode"]))
-    lines = table("ruler", "| task | length | policy | budget | mode | n | score % | 95% CI | "
-                  "%Evict | s/example |", ordered,
-                  lambda r: f"| {r['family']} | {r['length']} | {r['policy']} | {r['budget']} | "
-                            f"{r['mode']} | {r['n']} | {score_cells(r)}")
-    lines += [""] + table("ruler (average over task families)",
-                          "| length | policy | budget | mode | families | n | score % | 95% CI | "
-                          "%Evict | s/example | x full |", averages(results),
-                          lambda a: f"| {a['length']} | {a['policy']} | {a['budget']} | "
-                                    f"{a['mode']} | {a['families']} | {a['n']} | "
-                                    f"{score_cells(a)} {fmt(a['x_full'], 2)} |")
-    return "\n".join(lines)
+    setting = [("policy", "policy"), ("budget", "budget"), ("mode", "mode")]
+    return "\n".join(task_tables(
+        "ruler", "score %", ordered, [("task", "family"), ("length", "length"), *setting],
+        averages(results), [("length", "length"), *setting, ("families", "families")],
+        "task families"))
 
 
 def plot_ruler_accuracy(results: Sequence[Row], out_dir: str | Path) -> list[Path]:
@@ -102,8 +95,8 @@ def plot_ruler_accuracy(results: Sequence[Row], out_dir: str | Path) -> list[Pat
 def plot_ruler_heatmaps(results: Sequence[Row], out_dir: str | Path) -> list[Path]:
     """One heatmap (context length x needle depth -> score, over the needle families' examples)
     per (policy, budget, mode)."""
+    from kvgate.eval.benchmarks.ruler.run import NEEDLE_FAMILIES
     from kvgate.eval.plots import depth_heatmap
-    from kvgate.eval.ruler.run import NEEDLE_FAMILIES
 
     rows = [r for r in _ruler(results) if r["family"] in NEEDLE_FAMILIES]
     cells: dict[tuple[str, str, str], dict[tuple[int, float], list[float]]] = defaultdict(
@@ -127,3 +120,10 @@ def plot_ruler_heatmaps(results: Sequence[Row], out_dir: str | Path) -> list[Pat
         paths.append(depth_heatmap(grid, lengths, depths,
                                    f"ruler niah: {policy} ({budget}, {mode})", "score %", path))
     return paths
+
+
+def ruler_plots(results: Sequence[Row], out_dir: Path) -> list[Path]:
+    return plot_ruler_accuracy(results, out_dir) + plot_ruler_heatmaps(results, out_dir)
+
+
+REPORT = Report("ruler", ruler_markdown, ruler_plots)

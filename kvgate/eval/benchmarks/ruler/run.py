@@ -1,6 +1,6 @@
 """``kvgate eval ruler``: RULER-style tasks under eviction, question-agnostic by default.
 
-Each (task, length) gets ``limit`` examples (:func:`kvgate.eval.ruler.tasks.generate`, seeds
+Each (task, length) gets ``limit`` examples (:func:`kvgate.eval.benchmarks.ruler.tasks.generate`, seeds
 0..limit-1; a needle family's example ``s`` sits at ``depths[s % len(depths)]``, the other
 families draw their own depths). Per policy and budget, every example is scored one at a time:
 
@@ -26,10 +26,10 @@ from typing import Any
 
 from torch import nn
 
-from kvgate.eval.report import ResultStore
-from kvgate.eval.ruler.scoring import score
-from kvgate.eval.ruler.tasks import NIAH, SCORING, TASKS, RulerExample, generate
+from kvgate.eval.benchmarks.ruler.scoring import score
+from kvgate.eval.benchmarks.ruler.tasks import NIAH, SCORING, TASKS, RulerExample, generate
 from kvgate.eval.runner import Cell, QABenchmark, QAItem, run_qa, text_item
+from kvgate.eval.store import ResultStore
 from kvgate.models.limits import InputTooLongError, context_limit
 from kvgate.policies.base import Budget, Policy
 
@@ -143,7 +143,7 @@ def evaluate_ruler(model: nn.Module, tokenizer: Any, tasks: Sequence[str],
     built (and checked to fit the model) before anything is scored."""
     for task in tasks:
         if task not in TASKS:
-            from kvgate.eval.ruler.haystack import RulerError
+            from kvgate.eval.benchmarks.ruler.haystack import RulerError
 
             raise RulerError(f"unknown RULER task {task!r}; known: {', '.join(TASKS)}")
     if getattr(tokenizer, "pad_token", "") is None:

@@ -17,8 +17,8 @@ from torch import nn
 from kvgate.eval.errors import EvalError, encode
 from kvgate.eval.masked import ScoringItem
 from kvgate.eval.multiple_choice import check_mode, run_items
-from kvgate.eval.report import ResultStore, budget_label, make_key
 from kvgate.eval.resumable import evict_summary
+from kvgate.eval.store import ResultStore, budget_label, make_key
 from kvgate.models.limits import InputTooLongError, context_limit
 from kvgate.models.load import pad_id
 from kvgate.policies.base import Budget, Policy

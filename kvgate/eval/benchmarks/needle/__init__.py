@@ -1,0 +1,1 @@
+"""Passkey retrieval by context length and depth (``kvgate eval needle``)."""

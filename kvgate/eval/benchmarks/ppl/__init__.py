@@ -1,0 +1,1 @@
+"""Perplexity under eviction (``kvgate eval ppl``)."""

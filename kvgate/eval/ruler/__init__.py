@@ -1,8 +1,0 @@
-"""RULER-style long-context tasks generated offline, and RULER's scoring."""
-
-from kvgate.eval.ruler.haystack import RulerError
-from kvgate.eval.ruler.scoring import score, string_match_all, string_match_part
-from kvgate.eval.ruler.tasks import SCORING, TASKS, RulerExample, generate
-
-__all__ = ["SCORING", "TASKS", "RulerError", "RulerExample", "generate", "score",
-           "string_match_all", "string_match_part"]
