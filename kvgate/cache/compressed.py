@@ -40,9 +40,9 @@ from kvgate.cache.passes import defers_choice, pass_attention, stash_layer
 from kvgate.cache.prefill import (
     causal_attention_lse,
     causal_attention_sums,
-    eq5_attention,
     new_token_validity,
     positions_after,
+    prompt_attention,
 )
 from kvgate.cache.ragged import RaggedStore
 from kvgate.models.dispatch import ForwardContext, install
@@ -56,7 +56,6 @@ from kvgate.policies.contract import (
     PolicyError,
     RowScoring,
     StreamingPrefill,
-    prefill_band,
 )
 
 
@@ -270,8 +269,7 @@ class CompressedCache(HandlerCache):
 
     def _prefill(self, layer: _Layer, prompt: LayerPrompt, mask: Tensor | None,
                  window: int | None, kwargs: dict) -> Tensor:
-        module, query, key, value = prompt.module, prompt.query, prompt.key, prompt.value
-        valid, scaling = prompt.valid, prompt.scaling
+        module, key, valid = prompt.module, prompt.key, prompt.valid
         b, hk, _, d = key.shape
         if hk != self.kv_heads or d != self.head_dim:
             raise CacheError(f"layer {module.layer_idx} gives {hk} KV heads of dim {d}; the "
@@ -285,12 +283,7 @@ class CompressedCache(HandlerCache):
             self._store_kept(layer, prompt, self._keep(prompt))
         else:
             keep = self._keep(prompt)
-            band = prefill_band(self.policy, prompt)
-            if band is not None:
-                out = eq5_attention(query, key, value, mask, valid, keep, scaling, band, window)
-            else:
-                out, _ = sdpa_attention_forward(module, query, key, value, mask, scaling=scaling,
-                                                dropout=0.0, **kwargs)
+            out = prompt_attention(self.policy, prompt, keep, mask, window, **kwargs)
             self._store_kept(layer, prompt, keep)
         layer.capacity = self._decode_capacity(layer.store.kept_counts(), valid.sum(-1))
         return out

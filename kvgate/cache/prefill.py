@@ -13,18 +13,36 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 from torch.nn.functional import scaled_dot_product_attention
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from kvgate.attention.masks import as_bool, new_token_validity, positions_after, prompt_allowed
+from kvgate.policies.contract import LayerPrompt, Policy, prefill_band
 from kvgate.policies.sums import attention_with_sums
 
-__all__ = ["causal_attention_lse", "causal_attention_sums", "eq5_attention", "keep_masked_attention", "new_token_validity", "positions_after",
-           "prompt_allowed"]
+__all__ = ["causal_attention_lse", "causal_attention_sums", "eq5_attention",
+           "keep_masked_attention", "new_token_validity", "positions_after", "prompt_allowed",
+           "prompt_attention"]
 
 # Row chunk of the general path: bounds the [B, H, rows, n] mask SDPA materialises.
 _MASK_ELEMS = 1 << 26
 # Query rows per block of the blocked path: the masked window is rows + band keys wide, the
 # dense prefix is shared by the block's rows (larger blocks: fewer calls, more masked work).
 _BLOCK_ROWS = 256
+
+
+def prompt_attention(policy: Policy, prompt: LayerPrompt, keep: Tensor, mask: Tensor | None,
+                     window: int | None, **kwargs) -> Tensor:
+    """The prompt's own attention once ``keep`` [B, H_kv, n] is chosen, as the cache's prefill
+    and the masked evaluation both compute it: under the eq. 5 mask for a policy that encodes
+    the prompt under its keep flags (``EncodeMasking``: later rows see only kept entries),
+    else full SDPA (``kwargs``: transformers' attention arguments). [B, n, H, d]."""
+    band = prefill_band(policy, prompt)
+    if band is not None:
+        return eq5_attention(prompt.query, prompt.key, prompt.value, mask, prompt.valid, keep,
+                             prompt.scaling, band, window)
+    out, _ = sdpa_attention_forward(prompt.module, prompt.query, prompt.key, prompt.value, mask,
+                                    scaling=prompt.scaling, dropout=0.0, **kwargs)
+    return out
 
 
 def eq5_attention(query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None,

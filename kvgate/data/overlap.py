@@ -77,10 +77,6 @@ class NgramIndex:
         inside = owner[:starts] == owner[n - 1:]  # the window does not cross a text boundary
         return key[inside], owner[:starts][inside]
 
-    def contains(self, keys: np.ndarray) -> np.ndarray:
-        """Bool per key: present in the reference."""
-        return _member(self._keys_sorted, keys)
-
     def overlaps(self, docs: Sequence[str]) -> np.ndarray:
         """Bool ``[len(docs)]``: doc shares at least one n-gram with the reference texts."""
         keys, owner = self._keys(docs)

@@ -31,16 +31,14 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from kvgate.attention.decode import KVPart, multipart_attention
 from kvgate.cache.handler import HandlerCache
-from kvgate.cache.prefill import eq5_attention
+from kvgate.cache.prefill import prompt_attention
 from kvgate.eval.errors import EvalError, model_device, model_shape
 from kvgate.models import dispatch
 from kvgate.models.dispatch import ForwardContext
 from kvgate.policies.base import Budget, LayerPrompt, Policy, PolicyError
-from kvgate.policies.contract import prefill_band
 
 
 @dataclass(frozen=True)
@@ -263,12 +261,7 @@ class MaskedScoringCache(HandlerCache):
             self.keeps[module.layer_idx] = keep.cpu()
         window = kwargs.get("sliding_window") or None
         ctx_mask = None if attention_mask is None else attention_mask[..., :c, :c]
-        band = prefill_band(self.policy, prompt)
-        if band is not None:
-            out_ctx = eq5_attention(qc, kc, vc, ctx_mask, valid, keep, scaling, band, window)
-        else:
-            out_ctx, _ = sdpa_attention_forward(module, qc, kc, vc, ctx_mask, scaling=scaling,
-                                                dropout=0.0, **kwargs)
+        out_ctx = prompt_attention(self.policy, prompt, keep, ctx_mask, window, **kwargs)
         if t == c:
             return out_ctx, None
         # continuation rows: kept context entries of their KV head + their own choice, causally

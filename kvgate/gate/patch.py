@@ -102,29 +102,35 @@ def gates_open(model: nn.Module) -> Iterator[None]:
 
 
 @contextmanager
-def prompt_segment(model: nn.Module, prompt_mask: Tensor | None) -> Iterator[None]:
+def router_setting(model: nn.Module, **settings: object) -> Iterator[dispatch.Router]:
+    """The model's router (installed if it was not) with ``settings`` (its fields: the gate's
+    session settings) for the block, the earlier values back after it, also on an error."""
+    router = dispatch.install(model)
+    for name in settings:
+        if not hasattr(router, name):
+            raise AttributeError(f"the router has no setting {name!r}")
+    before = {name: getattr(router, name) for name in settings}
+    for name, value in settings.items():
+        setattr(router, name, value)
+    try:
+        yield router
+    finally:
+        for name, value in before.items():
+            setattr(router, name, value)
+
+
+def prompt_segment(model: nn.Module, prompt_mask: Tensor | None):
     """Mark the prompt ``[B, n]`` bool. ``prompt_bidirectional`` gates attend bidirectionally
     over the prompt only; with ``prefill="full"`` the prompt attends fully and only later tokens
     read the gated prompt. In both, tokens after the prompt are never gated; a causal eq. 5 gate
     (the default) ignores the mark."""
-    router = dispatch.install(model)
-    before, router.prompt_mask = router.prompt_mask, prompt_mask
-    try:
-        yield
-    finally:
-        router.prompt_mask = before
+    return router_setting(model, prompt_mask=prompt_mask)
 
 
-@contextmanager
-def recorded_scores(model: nn.Module, on: bool = True) -> Iterator[None]:
+def recorded_scores(model: nn.Module, on: bool = True):
     """While inside (and ``on``), each gated layer's record keeps its gate's raw scores, with a
     gradient that reaches that gate only (``GateRecord.scores``; the oracle objective)."""
-    router = dispatch.install(model)
-    before, router.gate_scores = router.gate_scores, bool(on)
-    try:
-        yield
-    finally:
-        router.gate_scores = before
+    return router_setting(model, gate_scores=bool(on))
 
 
 @contextmanager
@@ -135,13 +141,8 @@ def gate_graph_only(model: nn.Module, on: bool = True) -> Iterator[None]:
     trains its per-layer scorers, arXiv:2601.07891) then costs a forward, not a backward
     through the model. The gates still decide what the forward's attention sees. Wrap the
     forward only: the losses computed from the records need autograd back."""
-    router = dispatch.install(model)
-    before, router.gate_graph = router.gate_graph, bool(on)
-    try:
-        with torch.no_grad() if on else nullcontext():
-            yield
-    finally:
-        router.gate_graph = before
+    with router_setting(model, gate_graph=bool(on)), torch.no_grad() if on else nullcontext():
+        yield
 
 
 def set_gates_trainable(model: nn.Module, trainable: bool = True) -> list[nn.Parameter]:
