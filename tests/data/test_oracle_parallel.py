@@ -130,3 +130,13 @@ def test_devices_below_one_are_one_line(tmp_path, corpus):
     assert bad.returncode == 2
     assert bad.stderr.strip().splitlines() == ["error: --devices: must be an integer >= 1 (got 0)"]
     assert not (tmp_path / "bad" / "labels").exists()
+
+
+def test_more_than_one_device_or_node_runs_ddp_and_one_does_not():
+    from lightning.pytorch.strategies import DDPStrategy
+
+    from kvgate.data.oracle.compute import labelling_trainer
+
+    assert not isinstance(labelling_trainer("cpu", 1).strategy, DDPStrategy)
+    assert isinstance(labelling_trainer("cpu", 2).strategy, DDPStrategy)
+    assert isinstance(labelling_trainer("cpu", 1, num_nodes=2).strategy, DDPStrategy)

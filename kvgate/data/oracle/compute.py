@@ -75,6 +75,7 @@ class Labeller(L.LightningModule):
         self.identity, self.progress = identity, progress
         self.store = LabelStore(settings.path)
         self.mine: list[int] = []
+        self.shards = 0
         self.t0 = 0.0
 
     def say(self, line: str) -> None:
@@ -96,6 +97,7 @@ class Labeller(L.LightningModule):
         steps = max(1, -(-len(pending) // world))  # every rank runs as many steps
         mine = pending[rank::world]
         self.mine = mine + [-1] * (steps - len(mine))
+        self.shards = len(mine)  # this rank's real items
         self.t0 = time.perf_counter()
 
     def predict_dataloader(self) -> Any:
@@ -110,11 +112,10 @@ class Labeller(L.LightningModule):
         labels = shard_labels(self.base, self.tokenizer, rows, self.settings,
                               int(self.identity["layout"]["context"]))
         record = self.store.write_shard(index, labels, self.global_rank)
-        real = [i for i in self.mine if i >= 0]
         done = batch_idx + 1
         rate = (time.perf_counter() - self.t0) / done
-        self.say(f"blocks {record['start']}-{record['stop'] - 1} done; shard {done}/{len(real)}"
-                 f" of this process ({rate:.0f} s/shard, ~{rate * (len(real) - done) / 60:.0f} "
+        self.say(f"blocks {record['start']}-{record['stop'] - 1} done; shard {done}/{self.shards}"
+                 f" of this process ({rate:.0f} s/shard, ~{rate * (self.shards - done) / 60:.0f} "
                  "min left)")
 
     def on_predict_end(self) -> None:
@@ -123,11 +124,12 @@ class Labeller(L.LightningModule):
             self.store.merge(self.progress)
 
 
-def labelling_trainer(accelerator: str = "cpu", devices: int | str = 1, num_nodes: int = 1,
+def labelling_trainer(accelerator: str = "cpu", devices: int | list[int] = 1, num_nodes: int = 1,
                       strategy: str = "auto") -> L.Trainer:
     """The Trainer of a labelling run: no logger, checkpoints or bar (the labeller prints a
     line per shard); ``devices`` > 1 or ``num_nodes`` > 1 runs DDP (gloo on the CPU)."""
-    if strategy == "auto" and (num_nodes > 1 or devices not in (1, "1")):
+    count = len(devices) if isinstance(devices, (list, tuple)) else int(devices)
+    if strategy == "auto" and (num_nodes > 1 or count > 1):
         strategy = "ddp"
     return L.Trainer(accelerator=accelerator, devices=devices, num_nodes=num_nodes,
                      strategy=strategy, logger=False, enable_checkpointing=False,
