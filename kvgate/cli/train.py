@@ -240,6 +240,10 @@ def check_steps(trainer) -> None:
                 "gates; give a positive value (max_steps: -1 means no step limit)")
 
 
+# a gate setting's refusal (GateConfig checks itself, its kind too) also names the run
+# config's key, as jsonargparse's own refusals do
+_GATE_KEY = re.compile(r"^GateConfig\.(\w+): ")
+
 # words of a Trainer error about the machine rather than about a value
 _HARDWARE_WORDS = re.compile(r"accelerator|device|strateg|gpu|cuda|mps|tpu|hpu|xla|node|"
                              r"available|your (machine|system)", re.IGNORECASE)
@@ -321,6 +325,8 @@ def main(argv: list[str] | None = None, prog: str = "train.py") -> int:
         if created is not None and cli is not None and cli.trainer.global_step == 0:
             shutil.rmtree(created, ignore_errors=True)
         line = first_line(cause)
+        if (key := _GATE_KEY.match(line)) is not None:
+            line += f" (--model.gate.{key[1]})"
         given = [b for a, b in pairwise(argv_given) if a == "--config"]
         if given:  # a label refusal's advice names the config this run was given
             line = line.replace("--config CONFIG", f"--config {given[-1]}")

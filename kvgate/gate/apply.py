@@ -9,7 +9,7 @@ import torch
 from torch import Tensor, nn
 
 from kvgate.attention.masks import last_real, memoised
-from kvgate.gate.config import GateConfig
+from kvgate.gate.settings import GateSettings
 
 
 @dataclass
@@ -130,7 +130,7 @@ def gate_input(module: nn.Module, hidden: Tensor, previous_hidden: Tensor | None
     return hidden
 
 
-def counted_tokens(cfg: GateConfig, valid: Tensor, prompt: Tensor | None) -> Tensor:
+def counted_tokens(cfg: GateSettings, valid: Tensor, prompt: Tensor | None) -> Tensor:
     """[B, n] bool: the tokens whose flags count (padding and, when the gate acts on the
     prompt alone, non-prompt tokens excluded)."""
     if prompt is not None and (cfg.mode == "prompt_bidirectional" or cfg.prefill == "full"):
@@ -138,7 +138,7 @@ def counted_tokens(cfg: GateConfig, valid: Tensor, prompt: Tensor | None) -> Ten
     return valid.clone()
 
 
-def forced_tokens(cfg: GateConfig, valid: Tensor, counted: Tensor, prompt: Tensor | None) -> Tensor:
+def forced_tokens(cfg: GateSettings, valid: Tensor, counted: Tensor, prompt: Tensor | None) -> Tensor:
     """[B, n] bool: tokens kept whatever the gate says (uncounted ones, sinks, and a one-shot
     gate's last ``recent`` prompt tokens)."""
     forced = ~counted

@@ -9,8 +9,8 @@ from torch import Tensor, nn
 from kvgate.attention.gated import gated_attention
 from kvgate.attention.masks import memoised, new_token_validity
 from kvgate.gate.apply import compute_gate, straight_through
-from kvgate.gate.config import GateConfig
 from kvgate.gate.prefix import prefix_attention
+from kvgate.gate.settings import GateSettings
 from kvgate.models.dispatch import ForwardContext, GatedRoute, Router
 
 
@@ -40,7 +40,13 @@ class Gate(GatedRoute):
     kind: str = ""
     local: bool = False
 
-    def __init__(self, config: GateConfig, out_heads: int) -> None:
+    @classmethod
+    def uses_rope(cls, config: GateSettings) -> bool:
+        """Whether a gate of this kind under ``config`` rotates its own queries and keys with
+        the model's rotary tables (so it needs them, and at most their width)."""
+        return False
+
+    def __init__(self, config: GateSettings, out_heads: int) -> None:
         super().__init__()
         self.config = config
         self.out_heads = out_heads

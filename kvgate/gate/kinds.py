@@ -1,16 +1,17 @@
-"""Gate kind names -> module classes, written out by hand (``GateConfig.kind`` picks one).
+"""Gate kind names -> module classes, written out by hand (no decorator magic): the one place
+a kind is registered (``GateConfig.kind`` picks one and is checked against these names).
 
-Adding a kind: a ``Gate`` subclass taking ``(hidden_size, out_heads, config, head_dim)``, its
-name in ``GateKind`` (``kvgate.gate.config``, which validates it) and one line here
-(tests/gate/test_kinds.py checks that the two list the same names).
+Adding a kind: one file with a ``Gate`` subclass taking ``(hidden_size, out_heads, config,
+head_dim)`` (its ``kind`` name, ``local``, ``uses_rope`` and ``scores``), one line here
+(docs/ARCHITECTURE.md, "Add a gate kind").
 """
 
 from __future__ import annotations
 
 from kvgate.gate.base import Gate
-from kvgate.gate.config import ConfigError
 from kvgate.gate.local import LinearGate, MLPGate
 from kvgate.gate.module import AttentionGate
+from kvgate.gate.settings import ConfigError
 
 __all__ = ["GATES", "gate_class"]
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 from torch import Tensor, nn
 
 from kvgate.gate.base import Gate, in_gate_dtype
-from kvgate.gate.config import GateConfig
+from kvgate.gate.settings import GateSettings
 
 
 class LinearGate(Gate):
@@ -30,7 +30,7 @@ class LinearGate(Gate):
     kind = "linear"
     local = True
 
-    def __init__(self, hidden_size: int, out_heads: int, config: GateConfig,
+    def __init__(self, hidden_size: int, out_heads: int, config: GateSettings,
                  head_dim: int | None = None) -> None:
         super().__init__(config, out_heads)
         self.proj = nn.Linear(hidden_size, out_heads)
@@ -55,7 +55,7 @@ class MLPGate(Gate):
     kind = "mlp"
     local = True
 
-    def __init__(self, hidden_size: int, out_heads: int, config: GateConfig,
+    def __init__(self, hidden_size: int, out_heads: int, config: GateSettings,
                  head_dim: int | None = None) -> None:
         super().__init__(config, out_heads)
         self.up = nn.Linear(hidden_size, config.hidden)

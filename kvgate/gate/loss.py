@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from kvgate.gate.config import GateConfig
 from kvgate.gate.patch import gate_modules
+from kvgate.gate.settings import GateSettings
 from kvgate.models import dispatch
 
 
@@ -53,7 +53,7 @@ def retention_stats(model: nn.Module) -> dict[str, Tensor]:
     }
 
 
-def eviction_loss(model: nn.Module, config: GateConfig | None = None,
+def eviction_loss(model: nn.Module, config: GateSettings | None = None,
                   attention_mask: Tensor | None = None,
                   beta: float | None = None) -> tuple[Tensor, dict[str, Tensor]]:
     """``alpha * |retention - beta|`` from the flags recorded in the last forward.

@@ -10,7 +10,7 @@ import torch
 from torch import Tensor, nn
 
 from kvgate.gate.base import Gate, in_gate_dtype, straight_through
-from kvgate.gate.config import GateConfig
+from kvgate.gate.settings import GateSettings
 
 __all__ = ["AttentionGate", "straight_through"]
 
@@ -41,7 +41,11 @@ class AttentionGate(Gate):
 
     kind = "attention"
 
-    def __init__(self, hidden_size: int, out_heads: int, config: GateConfig, head_dim: int):
+    @classmethod
+    def uses_rope(cls, config: GateSettings) -> bool:
+        return config.rope
+
+    def __init__(self, hidden_size: int, out_heads: int, config: GateSettings, head_dim: int):
         super().__init__(config, out_heads)
         self.heads = config.heads
         self.head_dim = config.head_dim or head_dim

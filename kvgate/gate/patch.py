@@ -50,7 +50,7 @@ def patch(model: nn.Module, config: GateConfig | None = None) -> nn.Module:
     out_heads = cfg.num_key_value_heads if config.target == "kv" else cfg.num_attention_heads
     rotary = int(head_dim * (getattr(cfg, "partial_rotary_factor", None) or 1.0))
     gate_dim = config.head_dim or head_dim
-    if config.kind == "attention" and config.rope and gate_dim > rotary:
+    if gate_class(config.kind).uses_rope(config) and gate_dim > rotary:
         # a rotary gate reuses the model's position tables, which have only `rotary` dims
         raise ConfigError(f"GateConfig.head_dim: {gate_dim} exceeds this model's rotary "
                           f"dimension {rotary}; use head_dim <= {rotary} or rope: false")

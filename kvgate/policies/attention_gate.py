@@ -118,7 +118,7 @@ def checked_gate_config(policy: str, prompt: LayerPrompt) -> Any:
     if prompt.hidden is None:
         raise PolicyError(f"policy {policy} needs the layer's hidden states")
     config = module.kv_gate.config
-    if config.kind == "attention" and config.rope and prompt.position_embeddings is None:
+    if module.kv_gate.uses_rope(config) and prompt.position_embeddings is None:
         raise PolicyError(f"policy {policy} needs the forward's rotary tables "
                           "(LayerPrompt.position_embeddings): the gate rotates its q/k")
     return config
