@@ -129,6 +129,21 @@ def parse_policies(raw: str | Sequence[str], options: Sequence[str] = ()) -> dic
     return policies
 
 
+def parse_tasks(raw: str | Sequence[str], known: Sequence[str], what: str = "task",
+                allow_all: bool = False) -> list[str]:
+    """``--tasks``: names among ``known`` (``all``: every one, where ``allow_all``); one line
+    naming the first unknown ``what`` and the known ones."""
+    names = _items(raw)
+    if allow_all and names == ["all"]:
+        return list(known)
+    if not names:
+        raise EvalError("--tasks: give at least one task" + (", or all" if allow_all else ""))
+    for t in names:
+        if t not in known:
+            raise EvalError(f"--tasks: unknown {what} {t!r}; known: {', '.join(known)}")
+    return names
+
+
 def _at_least(value: int | None, flag: str, low: int = 1) -> None:
     if value is not None and value < low:
         raise EvalError(f"{flag} must be >= {low}, got {value}")

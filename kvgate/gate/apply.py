@@ -138,7 +138,8 @@ def counted_tokens(cfg: GateSettings, valid: Tensor, prompt: Tensor | None) -> T
     return valid.clone()
 
 
-def forced_tokens(cfg: GateSettings, valid: Tensor, counted: Tensor, prompt: Tensor | None) -> Tensor:
+def forced_tokens(cfg: GateSettings, valid: Tensor, counted: Tensor,
+                  prompt: Tensor | None) -> Tensor:
     """[B, n] bool: tokens kept whatever the gate says (uncounted ones, sinks, and a one-shot
     gate's last ``recent`` prompt tokens)."""
     forced = ~counted

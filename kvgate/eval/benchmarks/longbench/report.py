@@ -1,7 +1,7 @@
-"""LongBench results in results.md and a plot (the shared writers of :mod:`kvgate.eval.columns`): the
-score per task, the average over tasks (LongBench's headline number; Bai et al.,
-arXiv:2308.14508) with a 95% interval, %Evict, seconds per example and their ratio to the full
-cache's, LongBench-E's scores by length, and score against %Evict per task."""
+"""LongBench results in results.md and a plot (the shared writers of
+:mod:`kvgate.eval.columns`): the score per task, the average over tasks (LongBench's headline
+number; Bai et al., arXiv:2308.14508) with a 95% interval, %Evict, seconds per example and their
+ratio to the full cache's, LongBench-E's scores by length, and score against %Evict per task."""
 
 from __future__ import annotations
 

@@ -4,7 +4,6 @@ entries a policy keeps)."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -13,28 +12,16 @@ from kvgate.eval.config import (
     EvalConfig,
     _at_least,
     _flagged,
-    _items,
     _one_of,
     parse_budgets,
     parse_policies,
+    parse_tasks,
 )
 from kvgate.eval.errors import EvalError
 from kvgate.eval.options import opt
 
 if TYPE_CHECKING:
     from kvgate.policies.base import Budget, Policy
-
-
-def parse_tasks(raw: str | Sequence[str]) -> list[str]:
-    from kvgate.data.tasks import TASKS
-
-    names = _items(raw)
-    if not names:
-        raise EvalError("--tasks: give at least one task")
-    for t in names:
-        if t not in TASKS:
-            raise EvalError(f"--tasks: unknown task {t!r}; known tasks: {', '.join(TASKS)}")
-    return names
 
 
 @dataclass
@@ -60,7 +47,9 @@ class TaskConfig(EvalConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        self.tasks = parse_tasks(self.tasks)
+        from kvgate.data.tasks import TASKS
+
+        self.tasks = parse_tasks(self.tasks, list(TASKS))
         _at_least(self.limit, "--limit")
         _at_least(self.max_length, "--max-length")
         _at_least(self.num_fewshot, "--num-fewshot", 0)

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from kvgate.eval.config import EvalConfig, _at_least, _items, parse_budgets, parse_numbers
+from kvgate.eval.config import EvalConfig, _at_least, parse_budgets, parse_numbers, parse_tasks
 from kvgate.eval.errors import EvalError
 from kvgate.eval.options import opt
 from kvgate.eval.qa_options import check_qa, paired_opt, score_opt
@@ -17,26 +17,20 @@ if TYPE_CHECKING:
 
 
 def parse_ruler_tasks(raw: str | Sequence[str], allow_all: bool = True) -> list[str]:
-    """``--tasks`` of the RULER families (``all``: the 13 of kvgate.eval.benchmarks.ruler.TASKS)."""
+    """``--tasks`` of the RULER families (``all``: the 13 of
+    kvgate.eval.benchmarks.ruler.TASKS)."""
     from kvgate.eval.benchmarks.ruler.tasks import TASKS
 
-    tasks = _items(raw)
-    if allow_all and tasks == ["all"]:
-        return list(TASKS)
-    if not tasks:
-        raise EvalError("--tasks: give at least one task" + (", or all" if allow_all else ""))
-    for t in tasks:
-        if t not in TASKS:
-            raise EvalError(f"--tasks: unknown RULER task {t!r}; known: {', '.join(TASKS)}")
-    return tasks
+    return parse_tasks(raw, list(TASKS), "RULER task", allow_all)
 
 
 @dataclass
 class RulerConfig(EvalConfig):
-    """RULER-style task families (kvgate.eval.benchmarks.ruler), question asked after compression."""
+    """RULER-style task families (kvgate.eval.benchmarks.ruler), question asked after
+    compression."""
 
-    tasks: str | list[str] = opt("all", "comma-separated RULER tasks (kvgate.eval.benchmarks.ruler.TASKS), "
-                                 "or all 13")
+    tasks: str | list[str] = opt("all", "comma-separated RULER tasks "
+                                 "(kvgate.eval.benchmarks.ruler.TASKS), or all 13")
     lengths: str | list[int] = opt("1024,2048,4096", "context lengths in tokens")
     depths: str | list[float] = opt("0,25,50,75,100", "needle depths in % for the niah "
                                     "families (example s at depth s mod n)")

@@ -1,8 +1,9 @@
 """``kvgate eval ruler``: RULER-style tasks under eviction, question-agnostic by default.
 
-Each (task, length) gets ``limit`` examples (:func:`kvgate.eval.benchmarks.ruler.tasks.generate`, seeds
-0..limit-1; a needle family's example ``s`` sits at ``depths[s % len(depths)]``, the other
-families draw their own depths). Per policy and budget, every example is scored one at a time:
+Each (task, length) gets ``limit`` examples
+(:func:`kvgate.eval.benchmarks.ruler.tasks.generate`, seeds 0..limit-1; a needle family's
+example ``s`` sits at ``depths[s % len(depths)]``, the other families draw their own depths).
+Per policy and budget, every example is scored one at a time:
 
 - question-agnostic (the default, key mode ``agnostic``): the context is compressed with
   ``Engine.compress`` (the policy never sees the question), then ``Engine.answer`` asks the
