@@ -26,10 +26,10 @@ import json
 import sys
 from typing import Any
 
+from kvgate.cli import compress as compress_cli
 from kvgate.cli.common import run_cli
 from kvgate.errors import KVGateError
 from kvgate.files import read_user_text
-from kvgate.inference import compress_cli
 
 
 class CliError(KVGateError, ValueError):

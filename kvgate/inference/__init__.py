@@ -1,6 +1,6 @@
 """Generation with a compressed cache (prefill, compact, decode) and its cost.
 
-Names load on first use, so that command-line modules (``compress_cli``) import no torch.
+Names load on first use, so that the command line (``kvgate.cli``) imports no torch.
 """
 
 from __future__ import annotations

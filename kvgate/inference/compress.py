@@ -19,7 +19,6 @@ inside the time they report), asking its requests the way a question is asked he
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -34,7 +33,6 @@ from kvgate.cache.fork import fork_cache, grow_capacity
 from kvgate.cache.passes import choose_all, extra_pass
 from kvgate.cache.shared import SharedPrefill
 from kvgate.cache.shared_passes import SharedPasses, share_group
-from kvgate.files import read_user_text
 from kvgate.inference.decode import decode, left_padded_positions, until_eos
 from kvgate.models.limits import InputTooLongError, context_limit, fit_to_context
 from kvgate.models.load import pad_id, sync_device
@@ -372,37 +370,6 @@ def _check_fits(engine: Any, compressed: CompressedContext, rows: list[list[int]
             raise InputTooLongError(
                 f"context {i} ({n_ctx:,} tokens) + question ({len(row):,}) + {max_new_tokens} "
                 f"new tokens = {total:,}; the model takes at most {limit:,}")
-
-
-def run_cli(engine: Any, args: Any) -> int:
-    """Compress the context file once, answer every ``--question``, print answers and stats."""
-    context = read_user_text(args.context_file, "--context-file")
-    room = question_room(engine, args.question, args.max_new_tokens, args.answer_prefix, args.chat)
-    compressed = compress(engine, context, chat=args.chat, reserve=room)
-    t0 = time.perf_counter()
-    answers = answer(engine, compressed, args.question, args.max_new_tokens, args.answer_prefix)
-    answer_ms = 1000.0 * (time.perf_counter() - t0)
-    stats = {"policy": engine.policy.name, "budget": budget_text(engine.policy, engine.budget),
-             "chat": compressed.chat, "context_tokens": compressed.lengths[0],
-             "kept_fraction": compressed.kept_fraction,
-             "kept_fraction_per_layer": compressed.kept_fraction_per_layer,
-             "bytes_held": compressed.bytes_held, "bytes_full": compressed.bytes_full,
-             "compress_ms": compressed.compress_ms, "answer_ms": answer_ms}
-    if args.json:
-        print(json.dumps({"questions": args.question, "answers": answers, "stats": stats},
-                         indent=2))
-        return 0
-    for question, text in zip(args.question, answers):
-        print(f"Q: {question}\nA: {text}\n")
-    rows = [("policy", f"{stats['policy']} ({stats['budget']})"),
-            ("context tokens", (f"{stats['context_tokens']:,} (chat template: "
-                               f"{'yes' if compressed.chat else 'no'})")),
-            ("kept (context)", f"{100 * stats['kept_fraction']:.1f}%"),
-            ("KV bytes held", bytes_held_text(stats["bytes_held"], stats["bytes_full"])),
-            ("compress", f"{stats['compress_ms']:.1f} ms"),
-            ("answers", f"{answer_ms:.1f} ms for {len(answers)}")]
-    print(two_columns(rows))
-    return 0
 
 
 def budget_text(policy: Any, budget: Any) -> str:
