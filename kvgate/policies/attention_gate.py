@@ -40,6 +40,7 @@ from torch import Tensor
 
 from kvgate.gate.apply import compute_gate
 from kvgate.gate.config import GatePrefill
+from kvgate.gate.kinds import gate_class
 from kvgate.policies.base import (
     Budget,
     EncodeMasking,
@@ -118,7 +119,7 @@ def checked_gate_config(policy: str, prompt: LayerPrompt) -> Any:
     if prompt.hidden is None:
         raise PolicyError(f"policy {policy} needs the layer's hidden states")
     config = module.kv_gate.config
-    if module.kv_gate.uses_rope(config) and prompt.position_embeddings is None:
+    if gate_class(config.kind).uses_rope(config) and prompt.position_embeddings is None:
         raise PolicyError(f"policy {policy} needs the forward's rotary tables "
                           "(LayerPrompt.position_embeddings): the gate rotates its q/k")
     return config
