@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 from collections.abc import Iterable
 from datetime import datetime, timezone
 from pathlib import Path
@@ -52,11 +51,8 @@ from kvgate.checkpoint.kvzap import MODEL_TYPE as KVZAP
 from kvgate.checkpoint.kvzap import export_kvzap, kvzap_config, kvzap_meta, load_kvzap_gates
 from kvgate.checkpoint.place import (
     check_target,
-    os_reason,
     remove_stale_temporaries,
-    replace,
-    share_as_umask,
-    temporary_folder,
+    write_through_temporary,
 )
 from kvgate.files import sha256_file
 from kvgate.models.load import check_device
@@ -135,13 +131,8 @@ def export_gated(model: nn.Module, out: str | os.PathLike, *, base_model: str, f
 
     out = Path(out)
     check_target(out, overwrite, inputs)
-    try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        remove_stale_temporaries(out)
-        tmp = temporary_folder(out)  # the umask's mode, not mkdtemp's 0700
-    except OSError as err:
-        raise CheckpointError(f"{out}: cannot write the export ({os_reason(err)})") from None
-    try:
+
+    def fill(tmp: Path) -> None:
         gates = gate_state(model)
         check_finite(gates, f"{out}: not exported")  # a diverged run's gates are no model
         if gates:
@@ -172,15 +163,8 @@ def export_gated(model: nn.Module, out: str | os.PathLike, *, base_model: str, f
         }
         with open(tmp / CONFIG_NAME, "w", encoding="utf-8") as f:
             json.dump(meta, f, indent=2, sort_keys=True, default=str)
-        share_as_umask(tmp)  # safetensors writes 0600 files
-        replace(tmp, out)
-    except OSError as err:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise CheckpointError(f"{out}: cannot write the export ({os_reason(err)})") from None
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return out
+
+    return write_through_temporary(out, fill)
 
 
 def _architecture(model: nn.Module) -> dict[str, Any] | None:

@@ -21,12 +21,19 @@ class CheckpointError(KVGateError, RuntimeError):
     model it is loaded onto; the message names the file or field."""
 
 
+def read_json_object(path: Path) -> dict | None:
+    """The JSON object in ``path``, or None when it is missing, unreadable or no object (what
+    telling a folder's format needs; reading one then says what is wrong with it)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            value = json.load(f)
+    except (OSError, UnicodeDecodeError, ValueError):
+        return None
+    return value if isinstance(value, dict) else None
+
+
 def is_gated_export(folder: Path) -> bool:
     """Whether ``folder`` holds a gated export: a ``kvgate_config.json`` of this format (its
     files are not checked; a damaged export is still one)."""
-    try:
-        with open(folder / CONFIG_NAME, encoding="utf-8") as f:
-            meta = json.load(f)
-    except (OSError, UnicodeDecodeError, ValueError):
-        return False
-    return isinstance(meta, dict) and meta.get("format") == FORMAT
+    meta = read_json_object(folder / CONFIG_NAME)
+    return meta is not None and meta.get("format") == FORMAT

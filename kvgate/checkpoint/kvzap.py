@@ -27,23 +27,15 @@ from __future__ import annotations
 import json
 import math
 import os
-import shutil
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
-from kvgate.checkpoint.format import CheckpointError
+from kvgate.checkpoint.format import CheckpointError, read_json_object
 from kvgate.checkpoint.guards import check_finite
-from kvgate.checkpoint.place import (
-    check_target,
-    os_reason,
-    remove_stale_temporaries,
-    replace,
-    share_as_umask,
-    temporary_folder,
-)
+from kvgate.checkpoint.place import check_target, write_through_temporary
 from kvgate.files import sha256_file
 
 MODEL_TYPE = "kvzap"
@@ -75,12 +67,8 @@ def kvzap_config(root: Path) -> dict[str, Any] | None:
 
 def is_kvzap_folder(root: Path) -> bool:
     """Whether ``root`` holds a KVzap config (its fields are not checked here)."""
-    try:
-        with open(root / CONFIG, encoding="utf-8") as f:
-            config = json.load(f)
-    except (OSError, UnicodeDecodeError, ValueError):
-        return False
-    return isinstance(config, dict) and config.get("model_type") == MODEL_TYPE
+    config = read_json_object(root / CONFIG)
+    return config is not None and config.get("model_type") == MODEL_TYPE
 
 
 def gate_config_of(config: dict[str, Any], root: Path) -> Any:
@@ -206,24 +194,12 @@ def export_kvzap(model: nn.Module, out: str | os.PathLike, *, gate_config: Any,
     out = Path(out)
     check_finite(tensors, str(out))
     check_target(out, overwrite, inputs, owned=is_kvzap_folder)
-    try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        remove_stale_temporaries(out)
-        tmp = temporary_folder(out)
-    except OSError as err:
-        raise CheckpointError(f"{out}: cannot write the export ({os_reason(err)})") from None
-    try:
+
+    def fill(tmp: Path) -> None:
         save_file(tensors, str(tmp / WEIGHTS), metadata={"format": "pt"})
         (tmp / CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True), encoding="utf-8")
-        share_as_umask(tmp)  # safetensors writes 0600 files
-        replace(tmp, out)
-    except OSError as err:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise CheckpointError(f"{out}: cannot write the export ({os_reason(err)})") from None
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return out
+
+    return write_through_temporary(out, fill)
 
 
 def kvzap_refusal(gate_config: Any) -> str | None:

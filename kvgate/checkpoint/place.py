@@ -98,6 +98,30 @@ def share_as_umask(root: Path) -> None:
             os.chmod(path, folder if path.is_dir() else folder & 0o666)
 
 
+def write_through_temporary(out: Path, fill: Callable[[Path], None]) -> Path:
+    """Write an export at ``out`` the one safe way: ``fill(tmp)`` writes its files into a new
+    temporary sibling, which then gets the umask's modes (``share_as_umask``) and is renamed
+    into place (``replace``). An OS error is a ``CheckpointError`` naming ``out``; any failure
+    or interrupt leaves no temporary behind (a kill leaves one the next export removes)."""
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        remove_stale_temporaries(out)
+        tmp = temporary_folder(out)  # the umask's mode, not mkdtemp's 0700
+    except OSError as err:
+        raise CheckpointError(f"{out}: cannot write the export ({os_reason(err)})") from None
+    try:
+        fill(tmp)
+        share_as_umask(tmp)  # safetensors writes 0600 files
+        replace(tmp, out)
+    except OSError as err:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise CheckpointError(f"{out}: cannot write the export ({os_reason(err)})") from None
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
 def _pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
