@@ -47,7 +47,7 @@ echo "== Q: $question (asked after compression)"
 python infer.py --checkpoint runs/cpt_recipe/gated --context-file "$doc" --question "$question" \
     --max-new-tokens 24 --json >runs/cpt_recipe/infer_gate.json
 budget=$(python -c "import json; print(round(json.load(open('runs/cpt_recipe/infer_gate.json'))['stats']['kept_fraction'], 4))")
-python infer.py --model smollm2-135m --policy full --budget 1.0 --context-file "$doc" \
+python infer.py --model smollm2-135m --policy full --context-file "$doc" \
     --question "$question" --max-new-tokens 24 --json >runs/cpt_recipe/infer_full.json
 python infer.py --model smollm2-135m --policy snapkv --budget "$budget" --context-file "$doc" \
     --question "$question" --max-new-tokens 24 --json >runs/cpt_recipe/infer_snapkv.json
