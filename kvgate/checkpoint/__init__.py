@@ -185,7 +185,7 @@ def read_meta(path: str | os.PathLike, verify: bool = True) -> dict[str, Any]:
     root = checkpoint_folder(path)  # a hub id is fetched (once) here
     kvzap = kvzap_config(root)
     if kvzap is not None:  # NVIDIA's KVzap scorers: served as local gates (kvzap.py)
-        return kvzap_meta(root, kvzap)
+        return kvzap_meta(root, kvzap, verify)
     config = root / CONFIG_NAME
     if not config.is_file():  # every --checkpoint comes here: a .ckpt gets the export line
         raise not_an_export(root)

@@ -48,10 +48,9 @@ DEFAULT_WINDOW = 128  # KVzap's sliding window (DMS)
 
 def kvzap_config(root: Path) -> dict[str, Any] | None:
     """``config.json`` of a KVzap folder, checked; None when ``root`` holds no KVzap config."""
-    if not is_kvzap_folder(root):
+    config = read_json_object(root / CONFIG)
+    if config is None or config.get("model_type") != MODEL_TYPE:
         return None
-    with open(root / CONFIG, encoding="utf-8") as f:
-        config = json.load(f)
     for key in ("input_dim", "output_dim", "n_modules"):
         value = config.get(key)
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -90,11 +89,12 @@ def gate_config_of(config: dict[str, Any], root: Path) -> Any:
         raise CheckpointError(f"{root / CONFIG}: bad gate settings ({err})") from None
 
 
-def kvzap_meta(root: Path, config: dict[str, Any]) -> dict[str, Any]:
+def kvzap_meta(root: Path, config: dict[str, Any], verify: bool = True) -> dict[str, Any]:
     """What ``read_meta`` gives for a KVzap folder: its base as recorded (a published one
-    names none), its gate config, and the size + sha256 of its files."""
+    names none), its gate config, and (``verify``) the size + sha256 of its files, which a
+    result store records; a quick look (``gate_kind``) does not hash the weights."""
     files = {p.name: {"bytes": p.stat().st_size, "sha256": sha256_file(p)}
-             for p in sorted(root.iterdir()) if p.is_file()}
+             for p in sorted(root.iterdir()) if p.is_file()} if verify else {}
     recorded = config.get("kvgate") or {}
     return {"format": MODEL_TYPE, "base": {"id": recorded.get("base_model")},
             "gate": gate_config_of(config, root).to_dict(), "lora": False, "merged": False,

@@ -75,7 +75,7 @@ class Labeller(L.LightningModule):
         self.identity, self.progress = identity, progress
         self.store = LabelStore(settings.path)
         self.mine: list[int] = []
-        self.shards = 0
+        self.shards = self.k = 0
         self.t0 = 0.0
 
     def say(self, line: str) -> None:
@@ -98,6 +98,7 @@ class Labeller(L.LightningModule):
         mine = pending[rank::world]
         self.mine = mine + [-1] * (steps - len(mine))
         self.shards = len(mine)  # this rank's real items
+        self.k = int(self.store.manifest()["shard_blocks"])  # the folder's, read once
         self.t0 = time.perf_counter()
 
     def predict_dataloader(self) -> Any:
@@ -107,8 +108,7 @@ class Labeller(L.LightningModule):
         index = int(index)
         if index < 0:
             return
-        k = int(self.store.manifest()["shard_blocks"])
-        rows = self.blocks[index * k:(index + 1) * k]
+        rows = self.blocks[index * self.k:(index + 1) * self.k]
         labels = shard_labels(self.base, self.tokenizer, rows, self.settings,
                               int(self.identity["layout"]["context"]))
         record = self.store.write_shard(index, labels, self.global_rank)
