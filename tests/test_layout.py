@@ -22,7 +22,7 @@ MAX_LINES = 450
 
 # lowest first; docs/ARCHITECTURE.md shows the same order
 LAYERS = [
-    "errors", "files", "hub",
+    "errors", "files", "hub", "progress",
     "attention",
     "models",
     "gate",
