@@ -67,17 +67,19 @@ def is_terminal(stream: Any) -> bool:
 class Progress:
     """One job's progress: ``advance`` after each step, ``close`` (or a ``with`` block) at
     the end. ``done``: steps done before this run (a resumed one), shown but not timed;
-    ``unit``: one step's name (the lines add an ``s``)."""
+    ``unit``: one step's name (the lines add an ``s``); ``every``: seconds between two lines
+    (``LINE_EVERY_S``)."""
 
     def __init__(self, total: int, what: str, unit: str = "step", *, done: int = 0,
                  quiet: bool = False, stream: TextIO | None = None,
-                 every: float = LINE_EVERY_S, clock: Callable[[], float] = time.monotonic
+                 every: float | None = None, clock: Callable[[], float] = time.monotonic
                  ) -> None:
         self.total, self.what, self.unit = max(int(total), int(done)), what, unit
         self.done = self.start = int(done)
         self.quiet = bool(quiet) or _QUIET.get()
         self.stream = sys.stderr if stream is None else stream
-        self.every, self.clock = every, clock
+        self.every = LINE_EVERY_S if every is None else every
+        self.clock = clock
         self.t0 = clock()
         self.note = ""
         self._shown_at: float | None = None

@@ -5,14 +5,9 @@ from __future__ import annotations
 
 import io
 
+from progress_fakes import Terminal
+
 from kvgate.progress import Progress, duration, silenced
-
-
-class Terminal(io.StringIO):
-    """A stream that says it is a terminal."""
-
-    def isatty(self) -> bool:
-        return True
 
 
 class Clock:

@@ -5,7 +5,9 @@ base (``model.base_model``, ``model.dtype``), the blocks (the ``data`` module, a
 ``CPTDataModule``) and where the labels go with which KVzip (``data.init_args.oracle``). Run it
 again after a kill: it continues. ``--devices N`` (and ``--num-nodes``) label data-parallel:
 Lightning's DDP launches N processes, each labels its share of the blocks into the same folder
-(``kvgate.data.oracle.compute``); on the CPU they talk through gloo.
+(``kvgate.data.oracle.compute``); on the CPU they talk through gloo. Progress (blocks done of
+all, time left) goes to stderr, a bar on a terminal and a line a shard elsewhere; ``--quiet``
+leaves it out.
 """
 
 from __future__ import annotations
@@ -53,7 +55,8 @@ def trainer_for(device: str, devices: int, num_nodes: int) -> Any:
     return labelling_trainer(accelerator, [int(index)] if index else devices, num_nodes)
 
 
-def run(config_arg: str, device: str = "cpu", devices: int = 1, num_nodes: int = 1) -> int:
+def run(config_arg: str, device: str = "cpu", devices: int = 1, num_nodes: int = 1,
+        quiet: bool = False) -> int:
     import yaml
 
     from kvgate.cli.train import check_config_files, resolve_config_args
@@ -72,9 +75,12 @@ def run(config_arg: str, device: str = "cpu", devices: int = 1, num_nodes: int =
     check_output_dir(data.oracle.path, "data.init_args.oracle.path")
     model_cfg = config.get("model") or {}
     base = model_cfg.get("base_model", "smollm2-135m")
-    # loaded on the CPU: the Trainer moves it to each process's device
-    model, tokenizer = load_base(base, dtype=model_cfg.get("dtype", "float32"))
     from kvgate.data.oracle.compute import label_data
+    from kvgate.progress import silenced
 
-    label_data(model, tokenizer, data, str(base), partial(print, flush=True), trainer)
+    with silenced(quiet):  # a first load's GGUF conversion too
+        # loaded on the CPU: the Trainer moves it to each process's device
+        model, tokenizer = load_base(base, dtype=model_cfg.get("dtype", "float32"))
+
+    label_data(model, tokenizer, data, str(base), partial(print, flush=True), trainer, quiet)
     return 0

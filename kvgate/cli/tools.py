@@ -55,6 +55,8 @@ def add_data_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
                         "the CPU through gloo); default 1")
     o.add_argument("--num-nodes", type=int, default=1, metavar="N",
                    help="nodes of a multi-node run (Lightning's DDP environment); default 1")
+    o.add_argument("--quiet", action="store_true",
+                   help="no progress on stderr (a bar on a terminal, else a line a shard)")
     o.add_argument("--debug", action="store_true", help="show tracebacks")
     o.set_defaults(run=run_oracle)
     return p
@@ -64,7 +66,7 @@ def run_oracle(args: argparse.Namespace) -> int:
     from kvgate.cli.oracle import run
 
     return run(args.config, device=args.device, devices=args.devices,
-               num_nodes=args.num_nodes)
+               num_nodes=args.num_nodes, quiet=args.quiet)
 
 
 def run_data(args: argparse.Namespace) -> int:

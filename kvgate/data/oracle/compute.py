@@ -14,13 +14,16 @@ The run is Lightning's predict loop (``label_data(..., trainer=...)``): with one
 in this process; under DDP (``devices`` > 1 or several nodes, e.g. ``--devices 2`` on the CPU
 with gloo) each rank takes every N-th missing shard and writes it into the shared folder, and
 rank 0 merges the ranks' records into one manifest at the end (``LabelStore.merge``).
+
+Progress is one display (``kvgate.progress``), drawn by rank 0 alone: blocks done of all
+blocks, counted after each of its shards from every rank's progress file
+(``LabelStore.recorded_blocks``), so that under DDP it shows the whole job, not rank 0's share.
 """
 
 from __future__ import annotations
 
 import logging
 import signal
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -30,6 +33,7 @@ from torch import Tensor
 
 from kvgate.data.oracle.settings import OracleLabels
 from kvgate.data.oracle.store import LOG_FLOOR, LabelStore
+from kvgate.progress import Progress
 
 
 @torch.no_grad()
@@ -65,69 +69,85 @@ def shard_labels(model: Any, tokenizer: Any, blocks: Tensor, settings: OracleLab
 
 class Labeller(L.LightningModule):
     """Lightning's view of a labelling run: each predict item is one shard index of this rank
-    (-1: nothing, so that every rank runs as many steps and meets the barriers)."""
+    (-1: nothing, so that every rank runs as many steps and meets the barriers). ``say``: the
+    run's lines (what was found done, damaged shards); ``quiet``: no progress display."""
 
     def __init__(self, model: Any, tokenizer: Any, blocks: Tensor, settings: OracleLabels,
-                 identity: dict[str, Any], progress: Callable[[str], None]) -> None:
+                 identity: dict[str, Any], say: Callable[[str], None],
+                 quiet: bool = False) -> None:
         super().__init__()
         self.base = model  # a submodule, so Lightning moves it to each rank's device
         self.tokenizer, self.blocks, self.settings = tokenizer, blocks, settings
-        self.identity, self.progress = identity, progress
+        self.identity, self.say, self.quiet = identity, say, quiet
         self.store = LabelStore(settings.path)
         self.mine: list[int] = []
-        self.shards = self.k = 0
-        self.t0 = 0.0
-
-    def say(self, line: str) -> None:
-        world = self.trainer.world_size
-        self.progress(f"[rank {self.global_rank}/{world}] {line}" if world > 1 else line)
+        self.k = 0
+        self.bar: Progress | None = None
+        self.counted = 0  # blocks of this run the bar has counted
 
     def setup(self, stage: str) -> None:
         total = int(self.blocks.shape[0])
         if self.global_rank == 0:
-            meta = self.store.begin(self.identity, self.settings.shard_blocks, self.progress)
+            meta = self.store.begin(self.identity, self.settings.shard_blocks, self.say)
             if meta["done"] == total:
-                self.progress(f"{self.store.path}: all {total} blocks were done")
+                self.say(f"{self.store.path}: all {total} blocks were done")
             elif meta["done"]:
-                self.progress(f"{self.store.path}: {meta['done']} of {total} blocks were done; "
-                              "continuing")
+                self.say(f"{self.store.path}: {meta['done']} of {total} blocks were done; "
+                         "continuing")
         self.trainer.strategy.barrier("oracle-begin")
         pending = self.store.pending(total)
         world, rank = self.trainer.world_size, self.global_rank
         steps = max(1, -(-len(pending) // world))  # every rank runs as many steps
         mine = pending[rank::world]
         self.mine = mine + [-1] * (steps - len(mine))
-        self.shards = len(mine)  # this rank's real items
         self.k = int(self.store.manifest()["shard_blocks"])  # the folder's, read once
-        self.t0 = time.perf_counter()
+        left = sum(min(total, (i + 1) * self.k) - i * self.k for i in pending)
+        if pending:  # only rank 0 draws
+            self.bar = Progress(total, "oracle labels", "block", done=total - left,
+                                quiet=self.quiet or rank != 0)
 
     def predict_dataloader(self) -> Any:
         return torch.utils.data.DataLoader(self.mine, batch_size=None, shuffle=False)
 
     def predict_step(self, index: Any, batch_idx: int) -> None:
         index = int(index)
-        if index < 0:
-            return
-        rows = self.blocks[index * self.k:(index + 1) * self.k]
-        labels = shard_labels(self.base, self.tokenizer, rows, self.settings,
-                              int(self.identity["layout"]["context"]))
-        record = self.store.write_shard(index, labels, self.global_rank)
-        done = batch_idx + 1
-        rate = (time.perf_counter() - self.t0) / done
-        self.say(f"blocks {record['start']}-{record['stop'] - 1} done; shard {done}/{self.shards}"
-                 f" of this process ({rate:.0f} s/shard, ~{rate * (self.shards - done) / 60:.0f} "
-                 "min left)")
+        if index >= 0:
+            rows = self.blocks[index * self.k:(index + 1) * self.k]
+            labels = shard_labels(self.base, self.tokenizer, rows, self.settings,
+                                  int(self.identity["layout"]["context"]))
+            record = self.store.write_shard(index, labels, self.global_rank)
+            if self.trainer.world_size == 1:
+                self.count(record["stop"] - record["start"],
+                           f"blocks {record['start']}-{record['stop'] - 1}")
+                return
+        if self.global_rank == 0:  # every rank's shards, from their progress files
+            self.count(self.store.recorded_blocks() - self.counted,
+                       f"{self.trainer.world_size} processes")
+
+    def count(self, blocks: int, note: str) -> None:
+        if self.bar is not None and blocks > 0:
+            self.counted += blocks
+            self.bar.advance(blocks, note)
 
     def on_predict_end(self) -> None:
         self.trainer.strategy.barrier("oracle-end")
         if self.global_rank == 0:
-            self.store.merge(self.progress)
+            if self.trainer.world_size > 1:
+                self.count(self.store.recorded_blocks() - self.counted,
+                           f"{self.trainer.world_size} processes")
+            self.close()
+            self.store.merge(self.say)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
 
 
 def labelling_trainer(accelerator: str = "cpu", devices: int | list[int] = 1, num_nodes: int = 1,
                       strategy: str = "auto") -> L.Trainer:
-    """The Trainer of a labelling run: no logger, checkpoints or bar (the labeller prints a
-    line per shard); ``devices`` > 1 or ``num_nodes`` > 1 runs DDP (gloo on the CPU)."""
+    """The Trainer of a labelling run: no logger, checkpoints or bar of Lightning's (the
+    labeller draws its own, counting blocks); ``devices`` > 1 or ``num_nodes`` > 1 runs DDP
+    (gloo on the CPU)."""
     count = len(devices) if isinstance(devices, (list, tuple)) else int(devices)
     if strategy == "auto" and (num_nodes > 1 or count > 1):
         strategy = "ddp"
@@ -138,12 +158,13 @@ def labelling_trainer(accelerator: str = "cpu", devices: int | list[int] = 1, nu
 
 
 def compute_labels(model: Any, tokenizer: Any, blocks: Tensor, settings: OracleLabels,
-                   identity: dict[str, Any], progress: Callable[[str], None] = print,
-                   trainer: L.Trainer | None = None) -> LabelStore:
+                   identity: dict[str, Any], say: Callable[[str], None] = print,
+                   trainer: L.Trainer | None = None, quiet: bool = False) -> LabelStore:
     """Labels of every block ``blocks[:, :context]`` (``identity['layout']['context']``) into
     ``settings.path``, continuing where a run before stopped (one CPU process unless
-    ``trainer`` says otherwise: ``labelling_trainer``)."""
-    labeller = Labeller(model, tokenizer, blocks, settings, identity, progress)
+    ``trainer`` says otherwise: ``labelling_trainer``). ``say``: the run's lines; progress is
+    shown on stderr unless ``quiet`` (``kvgate.progress``)."""
+    labeller = Labeller(model, tokenizer, blocks, settings, identity, say, quiet)
     trainer = trainer or labelling_trainer()
     lightning_log = logging.getLogger("lightning.pytorch")
     level = lightning_log.level
@@ -160,16 +181,18 @@ def compute_labels(model: Any, tokenizer: Any, blocks: Tensor, settings: OracleL
             raise KeyboardInterrupt from None
         raise
     finally:
+        labeller.close()
         lightning_log.setLevel(level)
     return labeller.store
 
 
 def label_data(model: Any, tokenizer: Any, data: Any, base: str,
-               progress: Callable[[str], None] = print,
-               trainer: L.Trainer | None = None) -> LabelStore:
+               say: Callable[[str], None] = print,
+               trainer: L.Trainer | None = None, quiet: bool = False) -> LabelStore:
     """The oracle labels of a CPT data module's training blocks (``data.oracle`` says where and
     with which KVzip; ``data.train_blocks``, ``label_context`` and ``describe`` what they are)
-    on ``model``, the base named ``base``."""
+    on ``model``, the base named ``base``. ``say``: the run's lines (stdout); progress goes to
+    stderr unless ``quiet``."""
     from kvgate.data.oracle.identity import base_fingerprint, block_layout
 
     data.tokenizer = tokenizer
@@ -183,8 +206,8 @@ def label_data(model: Any, tokenizer: Any, data: Any, base: str,
                   "kv_heads": int(getattr(text, "num_key_value_heads", None)
                                   or text.num_attention_heads)},
     }
-    progress(f"oracle labels: {layout['blocks']} blocks x {layout['context']} tokens of {base} "
-             f"({'KVzip+' if data.oracle.plus else 'KVzip'}) -> {data.oracle.path}")
-    store = compute_labels(model, tokenizer, blocks, data.oracle, identity, progress, trainer)
-    progress(f"done: {store.manifest_path}")
+    say(f"oracle labels: {layout['blocks']} blocks x {layout['context']} tokens of {base} "
+        f"({'KVzip+' if data.oracle.plus else 'KVzip'}) -> {data.oracle.path}")
+    store = compute_labels(model, tokenizer, blocks, data.oracle, identity, say, trainer, quiet)
+    say(f"done: {store.manifest_path}")
     return store

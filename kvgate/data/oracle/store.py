@@ -160,6 +160,12 @@ class LabelStore:
         write_json_atomic(progress, {"shards": [*done, record]})
         return record
 
+    def recorded_blocks(self) -> int:
+        """Blocks the progress files record: the shards every rank finished since the last
+        ``merge`` (what rank 0's progress display counts while the ranks write)."""
+        return sum(int(r["stop"]) - int(r["start"]) for file in self.path.glob(PROGRESS_GLOB)
+                   for r in (read_json(file) or {}).get("shards", []))
+
     def merge(self, say: Callable[[str], None] = print) -> dict[str, Any]:
         """The manifest with every progress file's records folded in, then those files removed;
         each shard listed is verified (size, sha256) and a damaged one dropped, named through
