@@ -18,6 +18,9 @@ def add_prepare_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentPars
                     "python -m kvgate.models --prepare ALIAS.")
     p.add_argument("aliases", nargs="*", metavar="ALIAS", default=[DEFAULT_MODEL],
                    help=f"embedded model alias (default {DEFAULT_MODEL})")
+    p.add_argument("--quiet", action="store_true",
+                   help="no progress of a conversion on stderr (a bar on a terminal, else a "
+                        "line a step)")
     p.add_argument("--debug", action="store_true", help="show tracebacks")
     p.set_defaults(run=run_prepare)
     return p
@@ -25,9 +28,11 @@ def add_prepare_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentPars
 
 def run_prepare(args: argparse.Namespace) -> int:
     from kvgate.models import prepare_embedded
+    from kvgate.progress import silenced
 
-    for alias in args.aliases:
-        print(f"{alias}: {prepare_embedded(alias)}")
+    with silenced(getattr(args, "quiet", False)):
+        for alias in args.aliases:
+            print(f"{alias}: {prepare_embedded(alias)}")
     return 0
 
 
@@ -85,6 +90,7 @@ def main_prepare(argv: Sequence[str] | None = None) -> int:
                                                  "as kvgate prepare ALIAS).")
     parser.add_argument("--prepare", metavar="ALIAS", dest="aliases", action="append",
                         default=[], help="an embedded model to convert once")
+    parser.add_argument("--quiet", action="store_true", help="no progress on stderr")
     parser.add_argument("--debug", action="store_true", help="show tracebacks")
     args = parser.parse_args(argv)
     if not args.aliases:

@@ -8,6 +8,9 @@ later loads in about a second.
 
 The folder is written in a temporary sibling directory and renamed into place, and the
 ``kvgate-source.json`` marker is its last file: a folder with the marker is complete.
+Its progress is one display (``kvgate.progress``) of the conversion's six steps (reading and
+dequantising, the reference logits, the plain copy, saving, the tokenizer's check, the
+reloaded model's check), quiet under ``--quiet``.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from typing import Any
 import torch
 
 from kvgate.models.errors import ModelLoadError
+from kvgate.progress import Progress
 
 log = logging.getLogger(__name__)
 
@@ -182,21 +186,29 @@ def convert_gguf(gguf_path: Path, folder: Path, name: str,
     log.warning("converting %s to %s (once; about a minute)", gguf_path.name, folder)
     tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.tmp-", dir=folder.parent))
     tmp.chmod(0o755)  # mkdtemp makes it private; the cache is an ordinary shared folder
+    bar = Progress(6, f"converting {name}", "step")
     try:
         gguf_model, tokenizer = _read_gguf(gguf_path)
+        bar.advance(note="read and dequantised")
         ids = torch.tensor([tokenizer("Attention is all you need, they said.")["input_ids"]])
         with torch.no_grad():
             reference_logits = gguf_model(ids).logits
+        bar.advance(note="reference logits")
         plain = _plain_copy(gguf_model, name)
         del gguf_model
+        bar.advance(note="plain copy")
         # GGUF tokenizers default to an effectively infinite length; the model's is the truth
         tokenizer.model_max_length = plain.config.max_position_embeddings
         plain.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         del plain
+        bar.advance(note="saved")
         saved_tokenizer = AutoTokenizer.from_pretrained(tmp)
         _check_tokenizer(tokenizer, saved_tokenizer)
+        bar.advance(note="tokenizer checked")
         ppl = _check_model(reference_logits, ids, tmp, saved_tokenizer, max_perplexity)
+        bar.advance(note="model checked")
+        bar.close()
         source = {"gguf": gguf_path.name, "bytes": gguf_path.stat().st_size, "name": name,
                   "sample_perplexity": round(ppl, 3)}
         (tmp / MARKER).write_text(json.dumps(source, indent=2) + "\n")
@@ -209,6 +221,7 @@ def convert_gguf(gguf_path: Path, folder: Path, name: str,
                 raise
             log.warning("%s was converted concurrently; keeping that copy", folder)
     finally:
+        bar.close()
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
     return folder
