@@ -20,6 +20,10 @@ transformers derives from the cache length (``get_seq_length``, ``get_mask_sizes
 the *seen* length, and new tokens get their true positions. The 4-D mask transformers builds
 cannot describe a ragged store, so after the prefill it is used only to tell real tokens from
 padding; visibility (causal, sliding window) comes from the stored true positions.
+
+Quantized (``kv_bits`` 8 or 4, ``kvgate.cache.quant``): the stores hold kept entries as codes
+(the newest ``kv_residual`` positions exact as well) and attention reads them dequantized;
+which entries stay, and the policies' scores, are decided exactly as at 16 bits.
 """
 
 from __future__ import annotations
@@ -33,7 +37,7 @@ from torch import Tensor, nn
 from kvgate.attention.decode import KVPart, multipart_attention
 from kvgate.cache.capacity import check_decode_budget, decode_capacity
 from kvgate.cache.errors import CacheError
-from kvgate.cache.evict import decode_round
+from kvgate.cache.evict import decode_round, flush_tail
 from kvgate.cache.handler import HandlerCache
 from kvgate.cache.passes import defers_choice, pass_attention, stash_layer
 from kvgate.cache.prefill import (
@@ -43,6 +47,7 @@ from kvgate.cache.prefill import (
     positions_after,
     prompt_attention,
 )
+from kvgate.cache.quant import KVQuant
 from kvgate.cache.ragged import RaggedStore
 from kvgate.cache.streaming import stream_prefill
 from kvgate.models.dispatch import ForwardContext, install
@@ -91,6 +96,11 @@ class CompressedCache(HandlerCache):
             many tokens; a float in (0, 1] = that share of the sample's real prompt length.
         allow_attention_scores: False for backends that never materialise attention
             probabilities; policies that need them are then refused.
+        kv_bits, kv_group, kv_residual: how kept entries are stored (``KVQuant``): 16 as the
+            model gives them; 8 or 4 bits in groups of ``kv_group`` channels with an fp16
+            scale and zero point each, the newest ``kv_residual`` positions also held exact.
+            Eviction and the policies' scores work the same either way; attention reads the
+            base dequantized.
 
     Usable as ``model.generate(..., past_key_values=cache)`` or in a manual loop. One cache
     serves one batch of prompts; make a new one (or ``reset()``) for the next batch.
@@ -98,7 +108,8 @@ class CompressedCache(HandlerCache):
 
     def __init__(self, model_or_config: nn.Module | Any, policy: Policy,
                  budget: Budget | float | str, decode_budget: Budget | float | None = None,
-                 *, allow_attention_scores: bool = True) -> None:
+                 *, allow_attention_scores: bool = True, kv_bits: int = 16, kv_group: int = 32,
+                 kv_residual: int = 64) -> None:
         if isinstance(model_or_config, nn.Module):
             install(model_or_config)
             config = model_or_config.config
@@ -113,6 +124,8 @@ class CompressedCache(HandlerCache):
             raise CacheError(f"CompressedCache needs a decoder config, got {type(config).__name__}"
                              ) from exc
         self.head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // heads)
+        self.kv = KVQuant(kv_bits, kv_group, kv_residual)
+        self.kv.group_for(self.head_dim)  # a group that does not split the heads: one line now
         if not isinstance(policy, Policy):
             raise PolicyError(f"policy must be a kvgate Policy, got {type(policy).__name__}")
         if policy.needs_attention and not allow_attention_scores:
@@ -204,7 +217,8 @@ class CompressedCache(HandlerCache):
         return [self.kept_fraction(i) for i in range(self.num_layers)]
 
     def bytes_held(self) -> int:
-        """Bytes of every tensor the cache holds (K/V, true positions, counts)."""
+        """Bytes of every tensor the cache holds (K/V, or their codes, scales, zero points and
+        the residual window's exact copies; true positions, counts)."""
         return sum(layer.store.nbytes() for layer in self.layers if layer.store is not None)
 
     def full_bytes(self) -> int:
@@ -212,6 +226,16 @@ class CompressedCache(HandlerCache):
         return sum(s.batch * s.kv_heads * layer.seen * 2 * s.head_dim
                    * torch.empty((), dtype=s.dtype).element_size()
                    for layer in self.layers if (s := layer.store) is not None)
+
+    def store_as(self, kv: KVQuant) -> None:
+        """Hold kept entries as ``kv`` says from now on; layers filled so far are converted
+        (``SharedPrefill`` / ``SharedPasses`` fill full-precision caches: each variant's is
+        converted before it answers). A fork or stack made before keeps its own stores."""
+        kv.group_for(self.head_dim)
+        self.kv = kv
+        for layer in self.layers:
+            if layer.store is not None:
+                layer.store = layer.store.converted(kv, layer.real_seen)
 
     def new_pass_scores(self, store: RaggedStore) -> Tensor:
         """Zero running scores ``[B, H_kv, T]`` before the passes (SharedPasses: per scorer)."""
@@ -274,7 +298,7 @@ class CompressedCache(HandlerCache):
         if hk != self.kv_heads or d != self.head_dim:
             raise CacheError(f"layer {module.layer_idx} gives {hk} KV heads of dim {d}; the "
                              f"config says {self.kv_heads} of dim {self.head_dim}")
-        layer.store = RaggedStore(b, hk, d, key.dtype, key.device)
+        layer.store = RaggedStore(b, hk, d, key.dtype, key.device, self.kv)
         layer.real_seen = torch.zeros(b, dtype=torch.long, device=key.device)
         if isinstance(self.policy, StreamingPrefill):
             out = stream_prefill(self, layer, prompt, mask, window, kwargs)
@@ -366,6 +390,7 @@ class CompressedCache(HandlerCache):
         if evict:
             fresh = {} if written is None else self.policy.row_stats(written)
             decode_round(self.policy, layer, logits, positions, prefill, fresh)
+        flush_tail(layer)  # a quantized store's full-precision tail joins its base
         return out
 
     # ----------------------------------------------------------------- helpers
@@ -390,5 +415,6 @@ class CompressedCache(HandlerCache):
         return decode_capacity(self.decode_budget, counts, n_real)
 
     def __repr__(self) -> str:
+        kv = f", kv={self.kv.describe()!r}" if self.kv.quantized else ""
         return (f"CompressedCache(policy={self.policy.name!r}, budget={self.budget.describe()}, "
-                f"layers={self.num_layers}, kv_heads={self.kv_heads})")
+                f"layers={self.num_layers}, kv_heads={self.kv_heads}{kv})")

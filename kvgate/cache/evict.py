@@ -3,7 +3,8 @@
 After new rows attended, the policy's per-slot statistics are grown to the new slots (0, or
 what a ``RowScoring`` policy's ``row_stats`` gave for the new rows), ``decode_select`` decides
 which slots stay, and what leaves is dropped from the store (``RaggedStore.evict``: marked
-as holes, compacted once they pass a share).
+as holes, compacted once they pass a share). ``flush_tail``: a quantized store's tail joins
+its base every ``TAIL_MAX`` tokens, under any policy.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from kvgate.cache.ragged import TAIL_MAX
 from kvgate.policies.contract import DecodeEvicting, PolicyError
 
 
@@ -54,3 +56,13 @@ def decode_round(policy: DecodeEvicting, layer: Any, logits: Tensor, positions: 
         else:  # a hole's statistic is never read again: cleared, as a compaction would
             stats = {k: v.masked_fill(~keep, 0) for k, v in stats.items()}
     layer.stats = dict(stats)
+
+
+def flush_tail(layer: Any) -> None:
+    """A quantized store's tail (full precision) joins its base, quantized, once it holds
+    ``TAIL_MAX`` tokens, whether or not anything was evicted (a one-shot policy's decode never
+    compacts otherwise); the layer's per-slot statistics follow the new layout."""
+    store = layer.store
+    if store.kv.quantized and store.tail_len >= TAIL_MAX:
+        moves = store.rebuild(store.slot_valid())
+        layer.stats = {k: store.realign(v, moves) for k, v in layer.stats.items()}

@@ -24,6 +24,13 @@ token leaving the window when it scores below the threshold) then copies the cac
 dozen steps instead of every step; the bytes held overstate the kept entries by at most that
 share until then.
 
+Quantized (``kv``, ``kvgate.cache.quant.KVQuant`` with 8 or 4 bits): the base rows are held as
+codes with per-group scales and zero points (``kvgate.cache.rows.QuantRows``), quantized as
+they enter the base (at a rebuild); the base rows of the last ``kv.residual`` positions of each
+sample keep an exact copy besides, dropped at the first rebuild after they leave that window,
+and the tail is full precision. ``base_kv`` dequantizes the base at each call (no dequantized
+copy is kept). Slots, positions, holes and every per-slot view are the same as unquantized.
+
 Slot order: a rebuild compacts the kept slots in their old order (position order after a
 prefill). A decode step that evicts exactly as many entries per segment as it appends (a
 decode-evicting policy at capacity) instead writes the kept new entries over the evicted
@@ -38,6 +45,9 @@ import copy
 import torch
 from torch import Tensor
 
+from kvgate.cache.quant import KVQuant
+from kvgate.cache.rows import PlainRows, QuantRows, make_rows
+
 # when ``evict`` compacts: the holes pass this share of the held slots, or the tail this length
 HOLE_SHARE = 0.125
 TAIL_MAX = 64
@@ -51,12 +61,14 @@ class RaggedStore:
     """Kept keys/values of one layer for ``batch`` samples x ``kv_heads`` heads of ``head_dim``."""
 
     def __init__(self, batch: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
-                 device: torch.device) -> None:
+                 device: torch.device, kv: KVQuant | None = None) -> None:
         self.batch, self.kv_heads, self.head_dim = batch, kv_heads, head_dim
         self.dtype, self.device = dtype, device
+        self.kv = KVQuant() if kv is None else kv  # how the base holds its rows
         segs = batch * kv_heads
-        self.keys = torch.empty(0, head_dim, dtype=dtype, device=device)
-        self.values = torch.empty(0, head_dim, dtype=dtype, device=device)
+        empty = torch.empty(0, head_dim, dtype=dtype, device=device)
+        self.rows: PlainRows | QuantRows = make_rows(self.kv, empty, empty.clone())
+        self.next_pos = torch.zeros(batch, dtype=torch.long, device=device)  # 1 + newest position
         self.pos = torch.empty(0, dtype=torch.int32, device=device)
         self.counts = torch.zeros(segs, dtype=torch.long, device=device)
         self.tail_k: Tensor | None = None
@@ -97,10 +109,24 @@ class RaggedStore:
         held = base + tail[:, None]
         return held if self.holes is None else held - self.holes.sum(-1)
 
+    @property
+    def keys(self) -> Tensor:
+        """The base keys ``[E, d]`` (dequantized when the rows are quantized)."""
+        return self.rows.dense()[0]
+
+    @property
+    def values(self) -> Tensor:
+        return self.rows.dense()[1]
+
+    def held_tensors(self) -> list[Tensor]:
+        """Every tensor of stored data: the base rows (K/V, or their codes, scales, zero
+        points and the residual window's exact rows), positions, counts and the tail."""
+        return [t for t in (*self.rows.tensors(), self.pos, self.counts, self.tail_k,
+                            self.tail_v, self.tail_pos) if t is not None]
+
     def nbytes(self) -> int:
-        """Bytes of every tensor the store holds (K/V, positions, counts)."""
-        return sum(_nbytes(t) for t in (self.keys, self.values, self.pos, self.counts,
-                                        self.tail_k, self.tail_v, self.tail_pos))
+        """Bytes of every tensor the store holds (``held_tensors``)."""
+        return sum(_nbytes(t) for t in self.held_tensors())
 
     def fork(self) -> RaggedStore:
         """An independent copy that shares the stored tensors (copy-on-write).
@@ -120,13 +146,15 @@ class RaggedStore:
         follow each other. Shares nothing it could write into (``append`` / ``rebuild`` bind
         new tensors)."""
         first = stores[0]
-        if any(s.tail_len or s.holes is not None or (s.kv_heads, s.head_dim, s.dtype, s.device)
-               != (first.kv_heads, first.head_dim, first.dtype, first.device) for s in stores):
+        if any(s.tail_len or s.holes is not None or (s.kv_heads, s.head_dim, s.dtype, s.device,
+                                                     s.kv)
+               != (first.kv_heads, first.head_dim, first.dtype, first.device, first.kv)
+               for s in stores):
             raise ValueError("RaggedStore.concat needs stores of one layout with empty tails")
         out = cls(sum(s.batch for s in stores), first.kv_heads, first.head_dim, first.dtype,
-                  first.device)
-        out.keys = torch.cat([s.keys for s in stores])
-        out.values = torch.cat([s.values for s in stores])
+                  first.device, first.kv)
+        out.rows = type(first.rows).cat([s.rows for s in stores])
+        out.next_pos = torch.cat([s.next_pos for s in stores])
         out.pos = torch.cat([s.pos for s in stores])
         out.counts = torch.cat([s.counts for s in stores])
         lo, hi = torch.aminmax(out.counts)
@@ -142,6 +170,8 @@ class RaggedStore:
         """
         pos = pos.to(torch.int32)
         self.tail_padded |= bool((pos < 0).any()) if padded is None else padded
+        if self.kv.quantized:  # the residual window ends at the newest position
+            self.next_pos = torch.maximum(self.next_pos, pos.amax(-1).long() + 1)
         if self.holes is not None:  # the new slots are no holes
             self.holes = torch.cat([self.holes, self.holes.new_zeros(
                 self.batch, self.kv_heads, pos.shape[1])], dim=-1)
@@ -171,31 +201,32 @@ class RaggedStore:
         if t == 0:
             # base only: the row-major order of the kept slots is already segment-sorted
             src = self._base_index()[kb]
-            keys, values, pos = self.keys[src], self.values[src], self.pos[src]
+            rows, pos = self.rows.take(src), self.pos[src]
         elif tb == 0:
-            keys, values = self.tail_k[kt], self.tail_v[kt]
+            rows = make_rows(self.kv, self.tail_k[kt], self.tail_v[kt])
             pos = self.tail_pos[:, None, :].expand(b, hk, t)[kt]
         else:
             dest = flat.reshape(-1).cumsum(0).view(segs, tb + t) - 1
             total = int(flat.sum())
-            keys = torch.empty(total, self.head_dim, dtype=self.dtype, device=self.device)
-            values = torch.empty_like(keys)
+            rows = self.rows.empty(total)
             pos = torch.empty(total, dtype=torch.int32, device=self.device)
             src, dst = self._base_index()[kb], dest[:, :tb][kb]
-            keys[dst], values[dst], pos[dst] = self.keys[src], self.values[src], self.pos[src]
+            rows.put_(dst, self.rows.take(src))
+            pos[dst] = self.pos[src]
             dst = dest[:, tb:][kt.reshape(segs, t)]
-            keys[dst], values[dst] = self.tail_k[kt], self.tail_v[kt]
+            rows.put_(dst, make_rows(self.kv, self.tail_k[kt], self.tail_v[kt]))
             pos[dst] = self.tail_pos[:, None, :].expand(b, hk, t)[kt]
-        self.keys, self.values, self.pos = keys, values, pos
+        self.rows, self.pos = rows, pos
         self.counts = flat.sum(-1)
         self.tail_k = self.tail_v = None
-        self.tail_pos = self.tail_pos[:, :0]
+        self.tail_pos = self.tail_pos.new_empty(b, 0)
         self.tail_padded = False
         lo, hi = torch.aminmax(self.counts)
         self._base_len, self._uniform = int(hi), bool(lo == hi)
         self._index = None
         self._owned = True
         self.holes = None
+        self._age()
         return moves[:, :self._base_len]
 
     def _compaction_moves(self, flat: Tensor) -> Tensor:
@@ -211,23 +242,47 @@ class RaggedStore:
         kept tail entry), the base keeps its size and layout."""
         segs, tb, t = self.batch * self.kv_heads, self._base_len, self.tail_len
         if not self._owned:  # shared with a fork: copy before writing
-            self.keys, self.values, self.pos = (self.keys.clone(), self.values.clone(),
-                                                self.pos.clone())
+            self.rows, self.pos = self.rows.clone(), self.pos.clone()
             self._owned = True
         # equal counts per segment, both lists segment-major: the k-th of each pair up
         seg, slot = (~flat[:, :tb]).nonzero(as_tuple=True)
         tseg, tslot = flat[:, tb:].nonzero(as_tuple=True)
         dst = seg * tb + slot  # a uniform base: segment s holds flat rows [s * tb, (s + 1) * tb)
         d = self.head_dim
-        self.keys[dst] = self.tail_k.reshape(segs, t, d)[tseg, tslot]
-        self.values[dst] = self.tail_v.reshape(segs, t, -1)[tseg, tslot]
+        self.rows.put_(dst, make_rows(self.kv, self.tail_k.reshape(segs, t, d)[tseg, tslot],
+                                      self.tail_v.reshape(segs, t, -1)[tseg, tslot]))
         self.pos[dst] = self.tail_pos[tseg // self.kv_heads, tslot]
         moves = torch.arange(tb, device=flat.device).expand(segs, tb).clone()
         moves[seg, slot] = tb + tslot
         self.tail_k = self.tail_v = None
-        self.tail_pos = self.tail_pos[:, :0]
+        self.tail_pos = self.tail_pos.new_empty(self.batch, 0)
         self.holes = None
+        self._age()
         return moves
+
+    def _age(self) -> None:
+        """Quantized rows: drop the exact copy of every base row that left the residual
+        window (position below each sample's newest position + 1 - ``kv.residual``)."""
+        if not self.kv.quantized:
+            return
+        start = (self.next_pos - self.kv.residual).repeat_interleave(self.kv_heads)  # [S]
+        floor = start.repeat_interleave(self.counts, output_size=self.pos.shape[0])
+        self.rows = self.rows.aged(self.pos >= floor)
+
+    def converted(self, kv: KVQuant, seen: Tensor) -> RaggedStore:
+        """This store's entries held as ``kv`` says, in a new store (same slots, tail and
+        holes; the base quantized from full precision, or as it is when ``kv`` is its own);
+        ``seen`` ``[B]``: real tokens seen, where the residual window ends."""
+        if kv == self.kv:
+            return self
+        if self.kv.quantized:
+            raise ValueError(f"a store of {self.kv.describe()} entries cannot become "
+                             f"{kv.describe()}: quantize from full precision only")
+        twin = self.fork()
+        twin.kv, twin.rows = kv, make_rows(kv, *self.rows.dense())
+        twin.next_pos = seen.to(self.next_pos)  # a full-precision store does not track it
+        twin._age()
+        return twin
 
     def evict(self, keep: Tensor) -> Tensor | None:
         """Drop the held slots where ``keep`` [B, H_kv, T] is False, the way that copies least:
@@ -256,7 +311,7 @@ class RaggedStore:
         if self._index is None:
             start = self.counts.cumsum(0) - self.counts
             idx = start[:, None] + torch.arange(self._base_len, device=self.device)
-            self._index = idx.clamp(max=max(self.keys.shape[0] - 1, 0))
+            self._index = idx.clamp(max=max(len(self.rows) - 1, 0))
         return self._index
 
     def base_slot_valid(self) -> Tensor:
@@ -296,10 +351,11 @@ class RaggedStore:
     def base_kv(self) -> tuple[Tensor, Tensor]:
         """Base keys/values as ``[B, H_kv, Tb, d]``: a view when uniform, else a padded gather."""
         shape = (self.batch, self.kv_heads, self._base_len, self.head_dim)
+        keys, values = self.rows.dense()  # dequantized each call when quantized: no copy kept
         if self._uniform:
-            return self.keys.view(shape), self.values.view(shape)
+            return keys.view(shape), values.view(shape)
         idx = self._base_index().reshape(-1)
-        return self.keys[idx].view(shape), self.values[idx].view(shape)
+        return keys[idx].view(shape), values[idx].view(shape)
 
     def tail_kv(self) -> tuple[Tensor | None, Tensor | None]:
         return self.tail_k, self.tail_v
