@@ -11,8 +11,6 @@ differentiated by autograd): the median of the repeats' paired ratios, with its 
 ``--backward-rows R`` adds a kvgate regime whose backward runs R query rows per chunk (0:
 kvgate's default for the device). Before timing, every regime's output and four gradients
 are checked against the materialised ones, so a faster but wrong setting fails loudly.
-``--flex`` adds the FlexAttention kernel twice: as training runs it (fp32 tiles) and fed bf16
-tiles (``flex_bf16``, checked to 2% of the largest reference value).
 ``--triton`` adds the Triton kernel on bf16 inputs (``triton_bf16``, as a bf16 model calls
 it) and beside it the bar it is held to: SDPA's
 FlashAttention backend, causal, no gate, bf16 (``sdpa_flash_bf16``, not checked: it computes
@@ -36,7 +34,6 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kvgate.attention import gated as gated_mod
-from kvgate.attention.flex import flex_gated_attention
 from kvgate.attention.gated import gated_attention, gated_attention_reference
 from kvgate.eval.intervals import median_interval
 from kvgate.models.load import sync_device
@@ -70,16 +67,11 @@ def _sdpa_flash(q, k, v, g):
         return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
 
 
-def regimes(backward_rows: list[int], flex: bool = False, triton: bool = False) -> dict:
+def regimes(backward_rows: list[int], triton: bool = False) -> dict:
     out = {"materialised": lambda q, k, v, g: gated_attention_reference(q, k, v, g, recent=RECENT)}
     for rows in backward_rows:
         name = "kvgate" if rows == 0 else f"kvgate_bwd{rows}"
         out[name] = functools.partial(gated_attention, recent=RECENT, chunk=rows or None)
-    if flex:
-        out["flex"] = functools.partial(gated_attention, recent=RECENT, kernel="flex")
-        # the same kernel fed half-precision tiles (fp32 accumulation): is fp32 what costs?
-        out["flex_bf16"] = functools.partial(flex_gated_attention, recent=RECENT,
-                                             compute_dtype=torch.bfloat16)
     if triton:
         # bf16 inputs only: the tiles in the dtype a bf16 model gives them (fp32 inputs run fp32
         # dots, a second autotuning of every kernel; its correctness is tests/gpu's)
@@ -91,7 +83,7 @@ def regimes(backward_rows: list[int], flex: bool = False, triton: bool = False) 
 
 # regimes checked against the materialised kernel relative to the largest reference value
 # (half-precision inputs), instead of fp32's absolute tolerances
-RELATIVE = {"flex_bf16": 2e-2, "triton_bf16": 2e-2}
+RELATIVE = {"triton_bf16": 2e-2}
 # timed only: not the gated attention (the bar the gated kernel is held to)
 UNCHECKED = {"sdpa_flash_bf16"}
 
@@ -193,8 +185,6 @@ def main(argv: list[str] | None = None) -> dict:
                     default=[(1, 9, 3, 2048, 64), (1, 32, 32, 2048, 128)], help="B,H,H_kv,n,d")
     ap.add_argument("--backward-rows", type=int, nargs="+", default=[0])
     ap.add_argument("--repeats", type=int, default=10)
-    ap.add_argument("--flex", action="store_true",
-                    help="add the FlexAttention kernel (kernel='flex'; its backward needs CUDA)")
     ap.add_argument("--triton", action="store_true",
                     help="add the Triton kernel (bf16 inputs) and SDPA flash (CUDA)")
     ap.add_argument("--profile", action="store_true")
@@ -203,11 +193,9 @@ def main(argv: list[str] | None = None) -> dict:
                          "and time it anyway (a diagnosis, never a result)")
     args = ap.parse_args(argv)
     device = torch.device(args.device)
-    if args.flex and device.type != "cuda":
-        raise SystemExit("--flex: the FlexAttention kernel trains only on CUDA (no backward here)")
     if args.triton and device.type != "cuda":
         raise SystemExit("--triton: the Triton kernel runs on CUDA (its interpreter is for tests)")
-    fns = regimes(args.backward_rows, args.flex, args.triton)
+    fns = regimes(args.backward_rows, args.triton)
     results = {}
     for shape in args.shapes:
         text = ",".join(map(str, shape))

@@ -16,9 +16,7 @@ the speed-up (target >= 2x). With ``--prefill full`` (one-shot gates, ``--contin
 of each block scored) a third regime, ``kvgate_whole``, runs kvgate's kernel over the whole
 block as the materialised regime does, while ``kvgate`` encodes the prompt once without autograd
 (``kvgate.gate.prefix``: same loss and gradients), so the two speed-ups are told apart.
-``--flex`` adds ``flex``: kvgate with the block-sparse FlexAttention kernel (``GateConfig.kernel``
-"flex"; trains on CUDA only); ``--triton`` adds ``triton``: kvgate on its FlashAttention-2-style
-Triton kernel (``GateConfig.kernel`` "triton"; CUDA), and names the chunked one too (on CUDA
+``--triton`` adds ``triton``: kvgate on its FlashAttention-2-style Triton kernel (``GateConfig.kernel`` "triton"; CUDA), and names the chunked one too (on CUDA
 "auto" picks triton for a bf16 base). ``--profile`` ends with one profiled step per regime.
 ``--bound`` adds ``attention_free``: the same step with the gated attention replaced by an
 elementwise stand-in that costs next to nothing (q, k, v and the gate stay in the graph, so the
@@ -78,7 +76,7 @@ def attention_free(q, k, v, gate, allowed=None, scaling=None, recent=0, chunk=No
 
 
 def on_kernel(name: str):
-    """kvgate's gated attention on kernel ``name`` ("flex", "triton"), whatever the gate config
+    """kvgate's gated attention on kernel ``name`` ("triton", "chunked"), whatever the gate config
     says (same signature as ``gated_attention``, so it can stand in for it)."""
     def run(q, k, v, gate, allowed=None, scaling=None, recent=0, chunk=None, prompt=None,
             kernel=None, memo=None):
@@ -88,8 +86,7 @@ def on_kernel(name: str):
 
 
 IMPLEMENTATIONS = {"materialised": materialised, "attention_free": attention_free,
-                   "flex": on_kernel("flex"), "triton": on_kernel("triton"),
-                   "chunked": on_kernel("chunked")}
+                   "triton": on_kernel("triton"), "chunked": on_kernel("chunked")}
 
 
 @contextmanager
@@ -188,8 +185,7 @@ def measure(args, regimes: dict, impl: dict, split: dict, seq_len: int) -> None:
                 with attention_impl(impl[name]):
                     took = step(module, opt, batch, args.precision)
             except Exception as exc:  # a result too: that regime does not fit / run here
-                if not isinstance(exc, torch.OutOfMemoryError) and impl[name] not in (
-                        "flex", "triton"):
+                if not isinstance(exc, torch.OutOfMemoryError) and impl[name] != "triton":
                     raise
                 failed[name] = ("out of memory" if isinstance(exc, torch.OutOfMemoryError)
                                 else f"failed: {type(exc).__name__}: {str(exc).splitlines()[0]}")
@@ -234,14 +230,11 @@ def measure(args, regimes: dict, impl: dict, split: dict, seq_len: int) -> None:
 
     if args.pair == "lora":
         lines = [ratio("lora", "gates_lora", "slowdown gates+LoRA vs LoRA-only (target <= 1.35x)"),
-                 ratio("lora", "gates_lora_flex", "  same on the flex kernel"),
                  ratio("lora", "gates_lora_triton", "slowdown on the triton kernel (target <= 1.35x)"),
                  ratio("lora", "gates_lora_chunked", "slowdown on the chunked kernel")]
     else:
         lines = [ratio("kvgate", "materialised",
                        "speed-up kvgate vs materialised gated attention (target >= 2x)"),
-                 ratio("flex", "materialised", "  flex kernel vs materialised"),
-                 ratio("flex", "kvgate", "  flex kernel vs kvgate (chunked)"),
                  ratio("triton", "materialised", "  triton kernel vs materialised (target >= 1.5x)"),
                  ratio("triton", "chunked", "  triton kernel vs the chunked kernel")]
         if "attention_free" in tps and "materialised" in tps and "kvgate" in tps:
@@ -311,8 +304,6 @@ def main() -> int:
     parser.add_argument("--distill-weight", type=float, default=0.0,
                         help="recipe.distill_weight (the teacher's forward is part of a step)")
     parser.add_argument("--lm-weight", type=float, default=1.0, help="recipe.lm_weight")
-    parser.add_argument("--flex", action="store_true",
-                        help="also time the gated regime on its FlexAttention kernel")
     parser.add_argument("--triton", action="store_true",
                         help="also time the gated regime on its Triton kernel (CUDA)")
     parser.add_argument("--profile", action="store_true",
@@ -323,8 +314,6 @@ def main() -> int:
     args = parser.parse_args()
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         raise SystemExit(f"--device {args.device}: no CUDA device here")
-    if args.flex and not args.device.startswith("cuda"):
-        raise SystemExit("--flex: the FlexAttention kernel trains only on CUDA (no backward here)")
     if args.triton and not args.device.startswith("cuda"):
         raise SystemExit("--triton: the Triton kernel runs on CUDA (the CPU tests use its "
                          "interpreter, far too slow to time)")
@@ -340,8 +329,6 @@ def main() -> int:
     if args.pair == "lora":
         regimes = {"gates_lora": make("gates_lora"), "lora": make("lora")}
         impl = {"gates_lora": "kvgate", "lora": "kvgate"}
-        if args.flex:  # the same gated module on the other kernel
-            regimes["gates_lora_flex"], impl["gates_lora_flex"] = regimes["gates_lora"], "flex"
         if args.triton:  # each kernel named: on CUDA "auto" (gates_lora) is triton already
             for kernel in ("triton", "chunked"):
                 regimes[f"gates_lora_{kernel}"] = regimes["gates_lora"]
@@ -352,7 +339,6 @@ def main() -> int:
         # one module, several routes: identical weights, so only the computation differs
         names = ["kvgate", "kvgate_whole", "materialised"] if args.prefill == "full" else [
             "kvgate", "materialised"]
-        names += ["flex"] if args.flex else []
         if args.triton:  # each kernel named: on CUDA "auto" (kvgate) is triton for a bf16 base
             names = [x for x in names if x != "kvgate"] + ["chunked", "triton"]
         names += ["attention_free"] if args.bound else []

@@ -8,22 +8,20 @@
 # PARTs (all by default): tests (pytest -m gpu), bench (eq. 5 training speed, kvgate vs
 # materialised), oneshot (the two-pass one-shot step vs whole-block kvgate vs materialised),
 # train (train.py, DeepSpeed, infer.py on CUDA), lora (fp32 base, gates + LoRA vs LoRA only),
-# flex (the FlexAttention kernel, GateConfig.kernel "flex": alone and in training steps at
-# 1k-8k, beside kvgate's chunked kernel and the materialised one, and gates + LoRA on it),
-# flextests (the CUDA tests of the flex kernel and of generation over the compressed cache),
-# decode (batched decode over the compressed cache vs transformers' dense cache, 4k prompts,
+# gentests (the CUDA tests of generation over the compressed cache), decode (batched decode over the compressed cache vs transformers' dense cache, 4k prompts,
 # batch 1 / 8 / 32, SnapKV, Ada-KV and a ranked gate at 50%, on both shapes, eager and each
 # replaying one CUDA graph per step, the dense one on transformers' StaticCache), triton (the
 # Triton kernel's CUDA tests, the kernel alone against the materialised one and SDPA flash,
 # gates + LoRA against LoRA-only at 2k-8k in bf16-mixed and at 4k without autocast, a profiled
 # step of each, gates-only against the chunked and materialised kernels, the autotuned kernel
 # last). Each
-# step of the flex, flextests, decode and triton parts runs under a time limit, so one slow step
+# step of the gentests, decode and triton parts runs under a time limit, so one slow step
 # cannot eat a lease; with DEADLINE=S set, a step that would start after S seconds is skipped.
+# (The FlexAttention kernel these checks also timed is removed: 3.7-14x slower than the
+# chunked one on an H200, experiments/LOG.md 8c.)
 #
-# A 15-minute lease (H200, 2026-11-26): `run OUT decode flextests` took ~7 min (the random
-# bases ~30 s, decode ~2.5 min, the flex tests ~4 min, mostly compilation) before the graphed
-# regimes doubled decode's (~6 min now: run `decode` alone first), `run OUT flex` ~12.
+# A 15-minute lease (H200, 2026-11-26): the random bases took ~30 s, decode ~2.5 min before the
+# graphed regimes doubled it (~6 min now: run `decode` alone first).
 # H100 (2026-11-27): `DEADLINE=150 run OUT triton` ran its tests, kernel timings and the gates +
 # LoRA lengths in 168 s; the whole part (profile, materialised, autotuned) needs ~450 s.
 # H200 (2026-11-27, session 29): the whole triton part with DEADLINE=420 took 217 s.
@@ -60,13 +58,13 @@ PY
   exit 0
 fi
 
-usage="usage: $0 prepare | run OUTDIR [tests|bench|oneshot|train|lora|flex|flextests|decode|triton ...]"
+usage="usage: $0 prepare | run OUTDIR [tests|bench|oneshot|train|lora|gentests|decode|triton ...]"
 [ "${1:-}" = run ] || { echo "$usage" >&2; exit 2; }
 out=${2:?$usage}
 shift 2
-parts=("$@"); [ ${#parts[@]} -gt 0 ] || parts=(tests bench oneshot train lora flex decode)
+parts=("$@"); [ ${#parts[@]} -gt 0 ] || parts=(tests bench oneshot train lora decode)
 for p in "${parts[@]}"; do
-  case $p in tests|bench|oneshot|train|lora|flex|flextests|decode|triton) ;; *) echo "unknown PART '$p'; $usage" >&2; exit 2 ;; esac
+  case $p in tests|bench|oneshot|train|lora|gentests|decode|triton) ;; *) echo "unknown PART '$p'; $usage" >&2; exit 2 ;; esac
 done
 want() { [[ " ${parts[*]} " == *" $1 "* ]]; }
 mkdir -p "$out"
@@ -201,25 +199,10 @@ want triton && {
     --triton --repeats 10 --shapes 1,32,32,4096,128 1,9,3,2048,64
 } 2>&1 | grep --line-buffered -v "it/s\]" | tee "$out/bench_triton.log"
 
-if want flextests; then
-  # ~55 s of compilation before the first flex call of a process (H200, torch 2.11)
-  step "pytest -m gpu -k 'flex or generation'" timeout 240 $py -m pytest -m gpu tests/gpu -q \
-    -p no:cacheprovider -k "flex or generation" --durations=5 2>&1 | tee "$out/pytest_flex.log"
+if want gentests; then
+  step "pytest -m gpu -k generation" timeout 240 $py -m pytest -m gpu tests/gpu -q \
+    -p no:cacheprovider -k generation --durations=5 2>&1 | tee "$out/pytest_generation.log"
 fi
-want flex && {
-  step "bench_kernel --flex" timeout 150 $py bench/bench_kernel.py --device cuda --flex --repeats 5 \
-    --shapes 1,9,3,2048,64 1,32,32,2048,128 1,32,32,4096,128 1,32,32,8192,128
-  # one process per base, every length in it (the compiled kernels are reused)
-  step "bench_train flex 7B shape" timeout 300 $py bench/bench_train.py --pair materialised \
-    --device cuda --base "$big" --dtype bfloat16 --files "$docs" --batch 1 --steps 4 --flex \
-    --seq-len 1024 2048 4096 8192
-  step "bench_train flex SmolLM2 shape" timeout 150 $py bench/bench_train.py --pair materialised \
-    --device cuda --base "$base" --dtype bfloat16 --files "$docs" --batch 1 --steps 4 --flex \
-    --seq-len 1024 3072
-  step "bench_train lora flex 7B shape" timeout 150 $py bench/bench_train.py --pair lora \
-    --device cuda --base "$big" --dtype bfloat16 --files "$docs" --batch 1 --steps 4 --flex \
-    --seq-len 2048 4096
-} 2>&1 | grep --line-buffered -v "it/s\]" | tee "$out/bench_flex.log"
 
 want lora && {
   bench "$base" float32 1024 1; bench "$base" bfloat16 1024 1 lora; bench "$big" bfloat16 2048 1 lora

@@ -116,11 +116,6 @@ def _bench_kernel():
     return load_script("bench/bench_kernel.py")
 
 
-def test_bench_kernel_refuses_the_flex_kernel_off_cuda_by_name():
-    with pytest.raises(SystemExit, match="--flex: the FlexAttention kernel trains only on CUDA"):
-        _bench_kernel().main(["--flex", "--shapes", "1,4,2,70,8"])
-
-
 def test_bench_kernel_times_every_chunk_setting_against_the_materialised_kernel(capsys):
     results = _bench_kernel().main(["--shapes", "1,4,2,70,8", "--backward-rows", "0", "16",
                                     "--repeats", "1"])

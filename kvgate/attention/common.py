@@ -1,6 +1,6 @@
-"""What the gated-attention kernels share (the chunked one in ``gated``, ``flex`` and
-``triton_kernel``): kept here, below all three, so the dispatcher in ``gated`` can import the
-others without them importing it back."""
+"""What the gated-attention kernels share (the chunked one in ``gated`` and ``triton_kernel``):
+kept here, below both, so the dispatcher in ``gated`` can import the other without it importing
+the dispatcher back."""
 
 from __future__ import annotations
 

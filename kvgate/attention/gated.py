@@ -32,7 +32,7 @@ import torch
 from torch import Tensor
 
 from kvgate.attention.common import EXP_CLAMP, keep_per_query_head
-from kvgate.attention.kernels import KERNELS
+from kvgate.attention.kernels import check_kernel
 
 # Forward bias of a key the gate evicted: exp(EVICTED + s - max) is exactly 0 in fp32, as with
 # -inf, but EVICTED * 0 is 0 where -inf * 0 would be NaN.
@@ -48,7 +48,7 @@ def choose_kernel(name: str, device: torch.device, dtype: torch.dtype) -> str:
     at 2,048 / 4,096 tokens (docs/RESULTS.md, speed and memory). fp32 inputs get the chunked
     kernel: the Triton tiles multiply fp32 exactly (no tensor cores), which on an H200 ran 21x
     slower than the materialised kernel's cuBLAS at 4,096 tokens. Everywhere else the chunked
-    kernel. The flex kernel is never picked: on an H200 it ran 3.7-14x slower than chunked."""
+    kernel."""
     if name != "auto":
         return name
     if (device.type == "cuda" and dtype in (torch.bfloat16, torch.float16)
@@ -218,16 +218,14 @@ def gated_attention(q: Tensor, k: Tensor, v: Tensor, gate: Tensor, allowed: Tens
     causal/padding/window) or None for plain causal; recent: keys within the last ``recent``
     positions of each query bypass the gate (the diagonal always does); prompt [B, n] bool or
     None: one-shot use (module docstring), the gate only hides prompt keys from the rows after
-    the prompt; kernel: "chunked" (this module), "flex" (``kvgate.attention.flex``:
-    block-sparse FlexAttention, trains on CUDA only), "triton"
+    the prompt; kernel: "chunked" (this module), "triton"
     (``kvgate.attention.triton_kernel``: FlashAttention-2-style tiles, CUDA) or "auto"
     (``choose_kernel``); memo: a dict that lives as long as ``allowed`` does (one forward of
     the model, ``kvgate.models.dispatch.ForwardContext.memo``), where a kernel keeps what it
     derives from the mask for the next layer (the Triton kernel's mask vectors: a device sync).
     Returns [B, H, n_q, d] in q's dtype. Softmax and accumulation run in fp32.
     """
-    if kernel not in KERNELS:
-        raise ValueError(f"unknown attention kernel {kernel!r}; known: {list(KERNELS)}")
+    check_kernel(kernel)
     b, h, nq, d = q.shape
     n = k.shape[2]
     if nq > n:
@@ -246,10 +244,6 @@ def gated_attention(q: Tensor, k: Tensor, v: Tensor, gate: Tensor, allowed: Tens
     if prompt is not None and tuple(prompt.shape) != (b, n):
         raise ValueError(f"prompt shape {tuple(prompt.shape)} must be [B, n] = [{b}, {n}]")
     chosen = choose_kernel(kernel, q.device, q.dtype)
-    if chosen == "flex":
-        from kvgate.attention.flex import flex_gated_attention
-
-        return flex_gated_attention(q, k, v, gate, allowed, scaling, int(recent), prompt)
     if chosen == "triton":
         from kvgate.attention.triton_kernel import triton_gated_attention
 

@@ -178,7 +178,7 @@ class KVGateModule(TrainingObjective, L.LightningModule):
         """Checks that span the model and the data; Lightning runs this before
         ``configure_model``, so they fail before the base is loaded."""
         device = self.trainer.strategy.root_device
-        if self.gated and self.gate_cfg.kernel in ("triton", "flex") and device.type != "cuda":
+        if self.gated and self.gate_cfg.kernel == "triton" and device.type != "cuda":
             # else a 180-line traceback from inside the kernel, after the base has loaded
             raise TrainingConfigError(
                 f"model.gate.kernel: {self.gate_cfg.kernel!r} trains only on CUDA and this run "

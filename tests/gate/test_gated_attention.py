@@ -255,3 +255,39 @@ def test_row_chunks_are_small_on_the_cpu_and_large_on_a_gpu():
     assert _rows_per_chunk(32, 32768, None, gpu) == 256  # the floor
     assert _rows_per_chunk(9, 100, None, gpu) == 100
     assert _rows_per_chunk(9, 2048, 96, gpu) == 96  # an explicit chunk wins
+
+
+def test_an_unknown_or_removed_kernel_is_refused_in_one_line_naming_the_choice():
+    from kvgate.attention.kernels import KERNELS, KernelError
+    from kvgate.errors import KVGateError
+
+    q, k, v = _qkv()
+    gate = torch.ones(2, 2, 23, dtype=torch.float64)
+    with pytest.raises(KernelError, match=r"kernel: must be one of .*'cutlass'") as err:
+        gated_attention(q, k, v, gate, kernel="cutlass")
+    assert isinstance(err.value, KVGateError) and "\n" not in str(err.value)
+    # the FlexAttention kernel is gone: asking for it names what replaced it
+    assert "flex" not in KERNELS
+    with pytest.raises(KernelError, match="'flex': .*removed.*use chunked, or triton on CUDA"):
+        gated_attention(q, k, v, gate, kernel="flex")
+
+
+def test_auto_picks_the_chunked_kernel_on_the_cpu_and_fp32_and_triton_for_half_on_cuda(monkeypatch):
+    import importlib.util
+
+    from kvgate.attention.gated import choose_kernel
+
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert choose_kernel("auto", cpu, torch.bfloat16) == "chunked"
+    assert choose_kernel("chunked", cpu, torch.float32) == "chunked"
+    found = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: object() if name == "triton" else found(name, *a))
+    assert choose_kernel("auto", cuda, torch.bfloat16) == "triton"
+    assert choose_kernel("auto", cuda, torch.float16) == "triton"
+    # fp32 tiles multiply exactly, off the tensor cores: slower than the chunked kernel
+    assert choose_kernel("auto", cuda, torch.float32) == "chunked"
+    assert choose_kernel("triton", cuda, torch.float32) == "triton"
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "triton" else found(name, *a))
+    assert choose_kernel("auto", cuda, torch.bfloat16) == "chunked"

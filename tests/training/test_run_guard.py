@@ -245,11 +245,11 @@ def test_lightning_refusing_its_set_up_is_one_line_and_leaves_no_tb(base_dir, tm
 
 
 # ------------------------------------------------------------------------------- issue #64
-@pytest.mark.parametrize("kernel", ["triton", "flex"])
+@pytest.mark.parametrize("kernel", ["triton"])
 def test_a_cuda_only_gate_kernel_on_the_cpu_is_one_line_before_the_model_loads(
         kernel, base_dir, tmp_path, capsys, no_model_load):
-    """#64 case 7: ``--model.gate.kernel triton`` (or flex) on the CPU was a 176-185-line
-    traceback from inside the kernel, exit 1, and RUN/tb left."""
+    """#64 case 7: ``--model.gate.kernel triton`` on the CPU was a 176-185-line traceback from
+    inside the kernel, exit 1, and RUN/tb left."""
     run = tmp_path / "run"
     code = main(["--config", str(tiny_config(tmp_path, base_dir)), "--run_dir", str(run),
                  "--model.gate.kernel", kernel,
