@@ -65,6 +65,15 @@ class KVQuant:
         _int_at_least(self.group, "kv_group", 1)
         _int_at_least(self.residual, "kv_residual", 0)
 
+    @classmethod
+    def from_flags(cls, bits: int, group: int, residual: int) -> KVQuant:
+        """From command-line flags: a refusal names ``--kv-bits`` / ``--kv-group`` /
+        ``--kv-residual`` instead of the keyword arguments."""
+        try:
+            return cls(bits, group, residual)
+        except CacheError as exc:
+            raise CacheError(str(exc).replace("kv_", "--kv-")) from None
+
     @property
     def quantized(self) -> bool:
         return self.bits < 16

@@ -78,7 +78,8 @@ def _run(engine: Any, args: Any) -> int:
              "kept_fraction": compressed.kept_fraction,
              "kept_fraction_per_layer": compressed.kept_fraction_per_layer,
              "bytes_held": compressed.bytes_held, "bytes_full": compressed.bytes_full,
-             "compress_ms": compressed.compress_ms, "answer_ms": answer_ms}
+             "kv": engine.kv.describe(), "compress_ms": compressed.compress_ms,
+             "answer_ms": answer_ms}
     if args.json:
         print(json.dumps({"questions": args.question, "answers": answers, "stats": stats},
                          indent=2))
@@ -90,6 +91,7 @@ def _run(engine: Any, args: Any) -> int:
                                f"{'yes' if compressed.chat else 'no'})")),
             ("kept (context)", f"{100 * stats['kept_fraction']:.1f}%"),
             ("KV bytes held", bytes_held_text(stats["bytes_held"], stats["bytes_full"])),
+            ("KV storage", stats["kv"]),
             ("compress", f"{stats['compress_ms']:.1f} ms"),
             ("answers", f"{answer_ms:.1f} ms for {len(answers)}")]
     print(two_columns(rows))

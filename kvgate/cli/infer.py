@@ -6,6 +6,7 @@ Examples:
     kvgate infer --model smollm2-135m --policy h2o --budget 128 --policy-opt recent=32 \\
         --prompt-file prompts.txt --max-new-tokens 64
     kvgate infer --checkpoint runs/cpt_demo/gated --policy attention_gate --prompt "..."
+    kvgate infer --model smollm2-135m --policy snapkv --budget 0.5 --kv-bits 4 --prompt "Hello"
 
 ``--prompt`` text is continued as written (no chat template): an instruct model may answer it
 with an end-of-turn at once. To ask such a model, compress a ``--context-file`` and ask each
@@ -14,7 +15,9 @@ with an end-of-turn at once. To ask such a model, compress a ``--context-file`` 
 ``--budget`` is a ratio of each prompt's real length (0.5 keeps half the entries of every KV
 head) or, as an integer > 1, a token count; the full cache and a thresholded gate set their own
 eviction, so with them it has no effect (a warning line says so, and the statistics claim no
-budget). ``--prompt-file`` holds one prompt per line.
+budget). ``--prompt-file`` holds one prompt per line. ``--kv-bits 8`` or ``4`` stores the kept
+entries quantized (``--kv-group`` channels a scale, the newest ``--kv-residual`` tokens also
+exact); the bytes held then count the codes, scales and zero points.
 Errors in the arguments, the policy, the budget, the device or the checkpoint print one line
 and exit 2, as does a prompt longer than the model's context (``--truncate`` cuts it instead).
 """
@@ -96,6 +99,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--truncate", action="store_true",
                    help="cut a prompt longer than the model's context (with the new tokens) "
                         "from the start, with a warning; without it such a prompt is refused")
+    p.add_argument("--kv-bits", type=int, default=16,
+                   help="how kept keys and values are stored: 16 (the model's dtype), 8 or 4 "
+                        "bits in groups of --kv-group channels, each with an fp16 scale and "
+                        "zero point (default 16)")
+    p.add_argument("--kv-group", type=int, default=32,
+                   help="channels per scale and zero point with --kv-bits 8 or 4; a head with "
+                        "fewer is one group (default 32)")
+    p.add_argument("--kv-residual", type=int, default=64,
+                   help="with --kv-bits 8 or 4, the newest tokens also held in full precision "
+                        "(default 64)")
     p.add_argument("--cuda-graphs", action="store_true",
                    help="decode at fixed shapes, one CUDA graph replayed per token on CUDA "
                         "(one-shot policies only; the same tokens, less host time per step)")
@@ -164,6 +177,7 @@ def _load(args: argparse.Namespace):
 
 
 def run(args: argparse.Namespace) -> int:
+    from kvgate.cache.quant import KVQuant
     from kvgate.checkpoint import gate_kind
     from kvgate.inference import Engine
     from kvgate.models.load import check_device
@@ -175,6 +189,7 @@ def run(args: argparse.Namespace) -> int:
     # everything that can be checked without the model is checked first (fast errors)
     budget = Budget.parse("1.0" if args.budget is None else args.budget)
     decode_budget = _parse_decode_budget(args.decode_budget)
+    kv = KVQuant.from_flags(args.kv_bits, args.kv_group, args.kv_residual)
     name = args.policy or (gate_policy_name(gate_kind(args.checkpoint)) if args.checkpoint
                            else "full")
     policy = get_policy(name, **parse_policy_options(args.policy_opt, name))
@@ -204,7 +219,7 @@ def run(args: argparse.Namespace) -> int:
               f"which sets its own eviction{dial}", file=sys.stderr)
     model, tokenizer = _load(args)
     engine = Engine(model, tokenizer, policy, budget, decode_budget=decode_budget, attn=args.attn,
-                    truncate=args.truncate, graphs=args.cuda_graphs)
+                    truncate=args.truncate, graphs=args.cuda_graphs, **kv.kwargs())
     if args.context_file:
         return compress_cli.run(engine, args)
     result = engine.generate(prompts, max_new_tokens=args.max_new_tokens, greedy=not args.sample,

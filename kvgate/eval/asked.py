@@ -22,6 +22,7 @@ from typing import Any
 
 from torch import nn
 
+from kvgate.cache.quant import KVQuant
 from kvgate.eval.errors import model_shape
 from kvgate.eval.teacher import LEAD_TOKENS, TeacherScore, teacher_scores
 from kvgate.policies.base import Budget, Policy
@@ -60,10 +61,10 @@ class Asked:
 
 
 def _engine(model: nn.Module, tokenizer: Any, policy: Policy | str = "full",
-            budget: Budget | float = 1.0) -> Any:
+            budget: Budget | float = 1.0, kv: KVQuant | None = None) -> Any:
     from kvgate.inference import Engine
 
-    return Engine(model, tokenizer, policy, budget)
+    return Engine(model, tokenizer, policy, budget, **({} if kv is None else kv.kwargs()))
 
 
 def _ask(engine: Any, compressed: Any, question: Question, scores: Sequence[str],
@@ -91,11 +92,13 @@ def _kept(model: nn.Module, compressed: Any) -> tuple[int, int]:
 
 
 def ask_agnostic(model: nn.Module, tokenizer: Any, context: Sequence[int], question: Question,
-                 policy: Policy, budget: Budget, scores: Sequence[str]) -> Asked:
-    """Compress ``context``, then ask ``question`` over the compressed cache."""
+                 policy: Policy, budget: Budget, scores: Sequence[str],
+                 kv: KVQuant | None = None) -> Asked:
+    """Compress ``context``, then ask ``question`` over the compressed cache (``kv``: how it
+    stores kept entries, every ``ask_*`` alike; None: as the model gives them)."""
     from kvgate.inference.compress import prefill_rows
 
-    engine = _engine(model, tokenizer, policy, budget)
+    engine = _engine(model, tokenizer, policy, budget, kv)
     t0 = time.perf_counter()
     compressed, _ = prefill_rows(engine, [list(context)], engine.new_cache())
     t1 = time.perf_counter()
@@ -106,7 +109,7 @@ def ask_agnostic(model: nn.Module, tokenizer: Any, context: Sequence[int], quest
 
 def ask_shared(model: nn.Module, tokenizer: Any, context: Sequence[int], question: Question,
                variants: Mapping[str, tuple[Policy, Budget]],
-               scores: Sequence[str]) -> dict[str, Asked]:
+               scores: Sequence[str], kv: KVQuant | None = None) -> dict[str, Asked]:
     """:func:`ask_agnostic` for several one-shot ``variants[name] = (policy, budget)``: one
     shared prefill (``kvgate.cache.shared.SharedPrefill``; ``PassScoring`` variants that read
     the same passes: ``kvgate.cache.shared_passes.SharedPasses``), then the question over every
@@ -118,7 +121,7 @@ def ask_shared(model: nn.Module, tokenizer: Any, context: Sequence[int], questio
     from kvgate.cache.fork import stack_caches
     from kvgate.inference.compress import CompressedContext, compress_rows_shared
 
-    engine = _engine(model, tokenizer)
+    engine = _engine(model, tokenizer, kv=kv)
     t0 = time.perf_counter()
     compressed, own = compress_rows_shared(engine, [list(context)], variants)
     prefill = time.perf_counter() - t0 - sum(own.values())
@@ -148,14 +151,14 @@ def ask_shared(model: nn.Module, tokenizer: Any, context: Sequence[int], questio
 
 def ask_query_aware(model: nn.Module, tokenizer: Any, context: Sequence[int],
                     question: Question, policy: Policy, budget: Budget,
-                    scores: Sequence[str]) -> Asked:
+                    scores: Sequence[str], kv: KVQuant | None = None) -> Asked:
     """Prefill context and question together under the policy, then feed the gold answers
     over forks of the cache (teacher) and / or decode (generate)."""
     import torch
 
     from kvgate.inference.compress import decode_after, prefill_rows
 
-    engine = _engine(model, tokenizer, policy, budget)
+    engine = _engine(model, tokenizer, policy, budget, kv)
     t0 = time.perf_counter()
     with torch.no_grad():
         compressed, out = prefill_rows(engine, [list(context) + list(question.ids)],

@@ -18,7 +18,8 @@ comes back to it; one that differs is refused in one line naming the setting and
   ``max_new_tokens`` (generate) and ``query_aware``; for per-text perplexity ``max_length``,
   ``prefix`` and ``truncate``; for ruler ``seed``, ``depths``, ``chat``, ``max_new_tokens`` (the
   cap) and ``query_aware``, plus ``source``; for longbench ``source``, ``max_length``, ``chat``,
-  ``max_new_tokens`` and ``query_aware``.
+  ``max_new_tokens`` and ``query_aware``; for both the cache's storage, ``kv_bits`` (and at 8 or 4
+  bits ``kv_group`` and ``kv_residual``).
 - Where the question goes is in the key as well: the needle's mode is ``rank-masked`` (the
   question compressed with the context, as every needle record before the question-agnostic
   default was) or ``rank-masked-agnostic`` (asked after compression); ruler's mode is
@@ -34,7 +35,8 @@ floating-point noise), ``progress``, ``out``, ``patterns``, and what only select
 Records written before settings were stored have none: each setting is then taken as the
 record's own field where it has one (ppl stored ``max_length`` and ``prefix``), else as its
 default at the time (``LEGACY``); a run at those values resumes the record, any other is
-refused. Records without an ``input`` digest are taken as they are.
+refused. Records without an ``input`` digest are taken as they are. A setting added later
+(``ADDED``) is taken, where a record lacks it, as the value every run had before it existed.
 """
 
 from __future__ import annotations
@@ -58,6 +60,10 @@ LEGACY: dict[str, dict[str, Any]] = {
     "ppl": {"dtype": "float32", "text_files": None, "docs": 50, "seed": 0, "max_length": 512,
             "prefix": 0.5, "truncate": False},
 }
+
+
+# settings added after results stored settings: what every record before them was scored at
+ADDED: dict[str, Any] = {"kv_bits": 16}
 
 
 def _flag(name: str) -> str:
@@ -94,6 +100,8 @@ def check_settings(path: Path, key: str, record: Mapping[str, Any] | None,
             old, why = record[name], ""
         elif name in legacy:
             old, why = legacy[name], " (stored before settings were; the default then)"
+        elif name in ADDED:
+            old, why = ADDED[name], " (stored before the setting existed; the value then)"
         else:
             continue
         if old != value:

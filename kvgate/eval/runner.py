@@ -27,6 +27,7 @@ from typing import Any
 
 from torch import nn
 
+from kvgate.cache.quant import KVQuant
 from kvgate.cache.shared_passes import share_group
 from kvgate.eval.asked import Asked, Question, ask_agnostic, ask_query_aware, ask_shared
 from kvgate.eval.intervals import mean_interval
@@ -148,19 +149,20 @@ def qa_summary(records: Mapping[str, Record]) -> dict[str, Any]:
 def run_qa(model: nn.Module, tokenizer: Any, bench: QABenchmark, cells: Sequence[Cell],
            policies: Mapping[str, Policy], budgets: Sequence[Budget], store: ResultStore, *,
            query_aware: bool = False, scores: Sequence[str] = ("generate",),
-           progress: bool = True) -> list[str]:
+           progress: bool = True, kv: KVQuant | None = None) -> list[str]:
     """Score every (cell, policy, budget); returns the result keys."""
     scores = check_scores(scores)
     keys = []
     for cell in cells:
         keys += _run_cell(model, tokenizer, bench, cell, policies, budgets, store, query_aware,
-                          scores, progress)
+                          scores, progress, kv)
     return keys
 
 
 def _run_cell(model: nn.Module, tokenizer: Any, bench: QABenchmark, cell: Cell,
               policies: Mapping[str, Policy], budgets: Sequence[Budget], store: ResultStore,
-              query_aware: bool, scores: list[str], progress: bool) -> list[str]:
+              query_aware: bool, scores: list[str], progress: bool,
+              kv: KVQuant | None = None) -> list[str]:
     """Every (policy, budget) of one cell, each under its resumable key."""
     mode = bench.modes[1] if query_aware else bench.modes[0]
     extra = {**cell.extra, "query_aware": query_aware}
@@ -183,7 +185,7 @@ def _run_cell(model: nn.Module, tokenizer: Any, bench: QABenchmark, cell: Cell,
         for it in batch:
             want = {k: v for k, v in shared.items() if group[k] == group[key]
                     and (k == key or not store.has_example(k, it.uid))}
-            asked = ask_shared(model, tokenizer, it.context, it.question, want, scores)
+            asked = ask_shared(model, tokenizer, it.context, it.question, want, scores, kv)
             recs = {k: {**record(bench, it, a), "shared_prefill": len(want)}
                     for k, a in asked.items()}
             for k, rec in recs.items():
@@ -198,7 +200,7 @@ def _run_cell(model: nn.Module, tokenizer: Any, bench: QABenchmark, cell: Cell,
                 return run_shared(batch, key)
             ask = ask_query_aware if query_aware else ask_agnostic
             return [record(bench, it, ask(model, tokenizer, it.context, it.question, policy,
-                                          fixed, scores)) for it in batch]
+                                          fixed, scores, kv)) for it in batch]
 
         run_resumable(store, key, cell.items, run, summary, extra, 1, progress, policy)
     return [key for key, _, _ in jobs]

@@ -31,6 +31,7 @@ from kvgate.attention.masks import left_pad
 from kvgate.cache import CompressedCache
 from kvgate.cache.fork import fork_cache, grow_capacity
 from kvgate.cache.passes import choose_all, extra_pass
+from kvgate.cache.quant import KVQuant
 from kvgate.cache.shared import SharedPrefill
 from kvgate.cache.shared_passes import SharedPasses, share_group
 from kvgate.inference.decode import decode, left_padded_positions, until_eos
@@ -180,7 +181,7 @@ def compress_shared(engine: Any, contexts: str | list[str],
     shared = _shared_cache(engine, variants)
     lead = _prefill_contexts(engine, contexts, chat, shared,
                              choose=not isinstance(shared, SharedPasses))
-    return _split_shared(lead, shared)
+    return _split_shared(lead, shared, getattr(engine, "kv", None))
 
 
 def compress_rows_shared(engine: Any, rows: list[list[int]],
@@ -189,7 +190,7 @@ def compress_rows_shared(engine: Any, rows: list[list[int]],
     """:func:`compress_shared` of contexts already tokenised (``prefill_rows``)."""
     shared = _shared_cache(engine, variants)
     lead = prefill_rows(engine, rows, shared, choose=not isinstance(shared, SharedPasses))[0]
-    return _split_shared(lead, shared)
+    return _split_shared(lead, shared, getattr(engine, "kv", None))
 
 
 def _shared_cache(engine: Any, variants: Mapping[str, tuple[Policy, Budget | float | str]],
@@ -204,15 +205,25 @@ def _shared_cache(engine: Any, variants: Mapping[str, tuple[Policy, Budget | flo
 
 
 def _split_shared(lead: CompressedContext, shared: SharedPrefill | SharedPasses,
+                  kv: KVQuant | None = None,
                   ) -> tuple[dict[str, CompressedContext], dict[str, float]]:
+    """Each variant's cache as a compressed context; held as ``kv`` says (the shared prefill
+    fills full-precision caches: each is converted here, inside its variant's seconds)."""
     caches, seconds = (shared.split() if isinstance(shared, SharedPasses)
                        else (shared.caches, shared.seconds))
+    seconds = dict(seconds)
+    if kv is not None and kv.quantized:
+        for name, cache in caches.items():
+            t0 = time.perf_counter()
+            cache.store_as(kv)
+            sync_device(lead.input_ids.device)
+            seconds[name] += time.perf_counter() - t0
     out = {name: CompressedContext(cache, lead.input_ids, lead.attention_mask, lead.chat,
                                    lead.suffix, lead.contexts, cache.kept_fraction(),
                                    cache.kept_fractions(), cache.bytes_held(), cache.full_bytes(),
                                    lead.compress_ms)
            for name, cache in caches.items()}
-    return out, dict(seconds)
+    return out, seconds
 
 
 @torch.no_grad()
@@ -381,7 +392,7 @@ def budget_text(policy: Any, budget: Any) -> str:
 
 def bytes_held_text(held: int, full: int) -> str:
     """The "KV bytes held" cell of a terminal table: what the compressed cache holds against
-    the dense cache of the same tokens."""
+    the dense cache of the same tokens (quantized: codes, scales and zero points counted)."""
     ratio = held / full if full else float("nan")
     return f"{held:,} (K/V + positions) of {full:,} dense ({ratio:.3f}x)"
 

@@ -16,6 +16,7 @@ from torch import Tensor, nn
 
 from kvgate.attention.masks import left_pad
 from kvgate.cache import CompressedCache
+from kvgate.cache.quant import KVQuant
 from kvgate.inference.compress import (
     CompressedContext,
     budget_text,
@@ -44,12 +45,13 @@ class GenerationStats:
     new_tokens: int
     kept_fraction: float
     kept_fraction_per_layer: list[float]
-    bytes_held: int  # K/V (+ positions) held at the end
+    bytes_held: int  # K/V, or their codes, scales and zero points (+ positions) at the end
     bytes_full: int  # what a dense cache would hold for the same tokens
     prefill_ms: float
     decode_tokens_per_s: float
     policy: str = ""
     budget: str = ""
+    kv: str = ""  # how kept entries are stored (KVQuant.describe)
 
     @property
     def evicted_percent(self) -> float:
@@ -69,6 +71,7 @@ class GenerationStats:
                                f"{self.evicted_percent:.1f}%)")),
             ("kept per layer %", per_layer),
             ("KV bytes held", bytes_held_text(self.bytes_held, self.bytes_full)),
+            *([("KV storage", self.kv)] if self.kv else []),
             ("prefill", f"{self.prefill_ms:.1f} ms"),
             ("decode", f"{self.decode_tokens_per_s:.1f} tokens/s"),
         ]
@@ -100,12 +103,17 @@ class Engine:
         graphs: decode at fixed shapes over the cache frozen after the prefill, one CUDA graph
             replayed per token on CUDA (eager decode there is bound by the host, not by the
             bytes the cache holds); not for policies that evict while decoding. Same tokens.
+        kv_bits, kv_group, kv_residual: how the cache stores kept entries (16: as the model
+            gives them; 8 or 4 bits: ``kvgate.cache.quant.KVQuant``), in every cache this
+            engine makes, ``compress_shared``'s included. With ``graphs`` the frozen base is
+            held dequantized (a fused dequantize-attention kernel is the CUDA path, not here).
     """
 
     def __init__(self, model: nn.Module, tokenizer: Any, policy: Policy | str,
                  budget: Budget | float | str, decode_budget: float | None = None,
                  attn: str = "sdpa", policy_options: dict[str, Any] | None = None,
-                 truncate: bool = False, graphs: bool = False) -> None:
+                 truncate: bool = False, graphs: bool = False, kv_bits: int = 16,
+                 kv_group: int = 32, kv_residual: int = 64) -> None:
         if attn not in ATTN_BACKENDS:
             raise PolicyError(f"attention backend must be one of {', '.join(ATTN_BACKENDS)}, "
                               f"got {attn!r}")
@@ -128,6 +136,7 @@ class Engine:
             raise PolicyError(f"policy {policy.name!r} evicts while decoding, so its decode "
                               "steps change shape: graphs=True needs a one-shot policy")
         self.graphs = graphs
+        self.kv = KVQuant(kv_bits, kv_group, kv_residual)
         self.new_cache()  # validates decode_budget and the policy against the model now
 
     @property
@@ -136,7 +145,7 @@ class Engine:
 
     def new_cache(self) -> CompressedCache:
         return CompressedCache(self.model, self.policy, self.budget, self.decode_budget,
-                               allow_attention_scores=self.attn != "flash")
+                               allow_attention_scores=self.attn != "flash", **self.kv.kwargs())
 
     @torch.no_grad()
     def prefill(self, input_ids: Tensor, attention_mask: Tensor | None = None,
@@ -222,6 +231,7 @@ class Engine:
             decode_tokens_per_s=(steps * batch / decode_s) if steps and decode_s > 0 else 0.0,
             policy=self.policy.name,
             budget=budget_text(self.policy, self.budget),
+            kv=self.kv.describe() if self.kv.quantized else "",
         )
         prompt_ids = [row[m.bool()].tolist() for row, m in zip(ids, mask[:, :ids.shape[1]])]
         return GenerationResult(texts, token_ids, stats, prompt_ids)

@@ -177,8 +177,8 @@ def test_one_shot_policies_share_each_examples_prefill(capsys, tiny, tmp_path, m
 
     calls = []
     real = runner.ask_shared
-    monkeypatch.setattr(runner, "ask_shared", lambda m, t, ctx, q, want, scores: calls.append(
-        (ctx, sorted(want))) or real(m, t, ctx, q, want, scores))
+    monkeypatch.setattr(runner, "ask_shared", lambda m, t, ctx, q, want, scores, *kv: calls.append(
+        (ctx, sorted(want))) or real(m, t, ctx, q, want, scores, *kv))
     argv = ["eval", "ruler", "--model", "x", "--tasks", "niah_single_1", "--lengths", "300",
             "--limit", "2", "--max-new-tokens", "4", "--no-progress", "--budgets", "0.5,0.25"]
     out = tmp_path / "s"
@@ -224,11 +224,11 @@ def test_a_run_killed_mid_group_keeps_every_record_its_shared_prefills_made(
     calls, kill = [], [True]
     real = runner.ask_shared
 
-    def ask(m, t, ctx, q, want, scores):
+    def ask(m, t, ctx, q, want, scores, *kv):
         if calls and kill[0]:
             raise RuntimeError("killed")
         calls.append(sorted(want))
-        return real(m, t, ctx, q, want, scores)
+        return real(m, t, ctx, q, want, scores, *kv)
 
     monkeypatch.setattr(runner, "ask_shared", ask)
     argv = ["eval", "ruler", "--model", "x", "--tasks", "niah_single_1", "--lengths", "300",
@@ -274,8 +274,8 @@ def test_kvzip_variants_share_each_examples_repeat_pass(capsys, tiny, tmp_path, 
 
     calls = []
     real = runner.ask_shared
-    monkeypatch.setattr(runner, "ask_shared", lambda m, t, ctx, q, want, scores: calls.append(
-        sorted(want)) or real(m, t, ctx, q, want, scores))
+    monkeypatch.setattr(runner, "ask_shared", lambda m, t, ctx, q, want, scores, *kv: calls.append(
+        sorted(want)) or real(m, t, ctx, q, want, scores, *kv))
     out = tmp_path / "z"
     code, _, err = cli(capsys, "eval", "ruler", "--model", "x", "--tasks", "niah_single_1",
                        "--lengths", "300", "--limit", "2", "--max-new-tokens", "4",

@@ -15,6 +15,9 @@ Model arguments (``--model_args k=v,...``)::
     budget         prompt entries kept per KV head: a ratio in (0, 1] or a token count
     decode_budget  the decode-time capacity of decode-evicting policies (see ``Engine``)
     attn           sdpa (default) or flash
+    kv_bits        how kept keys and values are stored: 16 (default, the model's dtype), 8 or 4
+    kv_group       channels per scale and zero point at 8 or 4 bits (default 32)
+    kv_residual    the newest tokens also held in full precision at 8 or 4 bits (default 64)
     dtype          auto (bfloat16 on CUDA, float32 on the CPU) or a dtype name
     max_length     tokens per request (default: the model's max_position_embeddings)
     max_gen_toks   generation length when a task gives none (default 256)
@@ -41,6 +44,7 @@ from lm_eval.api.registry import register_model
 from torch import nn
 from tqdm.auto import tqdm
 
+from kvgate.cache.quant import KVQuant
 from kvgate.checkpoint import gate_kind, load_gated
 from kvgate.errors import KVGateError
 from kvgate.eval.errors import encode, model_shape
@@ -86,6 +90,16 @@ def _batch_size(value: Any, max_batch_size: Any) -> int:
     return size
 
 
+def _whole(value: Any, name: str) -> Any:
+    """A model argument that should be an int, as lm-eval hands it (an int, or its text)."""
+    if isinstance(value, str):
+        try:
+            return int(value)
+        except ValueError:
+            raise LMEvalError(f"{name} must be an integer, got {value!r}") from None
+    return value
+
+
 def _cut_at_stops(text: str, until: list[str]) -> str:
     cuts = [text.find(stop) for stop in until if stop and stop in text]
     return text[:min(cuts)] if cuts else text
@@ -105,7 +119,9 @@ class KVGateLM(TemplateLM):
                  device: str | None = None, batch_size: int | str = 1,
                  max_batch_size: int | None = None, max_length: int | None = None,
                  max_gen_toks: int = 256, rolling_context: int = 1, tokenizer: Any = None,
-                 trust_remote_code: bool | None = None, **policy_options: Any) -> None:
+                 trust_remote_code: bool | None = None, kv_bits: int | str = 16,
+                 kv_group: int | str = 32, kv_residual: int | str = 64,
+                 **policy_options: Any) -> None:
         super().__init__()
         del trust_remote_code  # kvgate loads only architectures it knows
         if pretrained is None and checkpoint is None:
@@ -121,6 +137,8 @@ class KVGateLM(TemplateLM):
                               ) from None
         self.batch_size = _batch_size(batch_size, max_batch_size)
         budget = Budget.parse(budget)  # PolicyError (a KVGateError) names a bad one
+        kv = KVQuant(*(_whole(v, n) for v, n in ((kv_bits, "kv_bits"), (kv_group, "kv_group"),
+                                                  (kv_residual, "kv_residual"))))
         self._device = _device(device)
         torch_dtype = (torch.bfloat16 if self._device.type == "cuda" else torch.float32) \
             if dtype in (None, "auto") else parse_dtype(dtype)
@@ -132,7 +150,7 @@ class KVGateLM(TemplateLM):
             tok.pad_token = tok.eos_token
         self.model, self.tokenizer = model.eval(), tok
         self.engine = Engine(self.model, tok, chosen, budget, decode_budget=decode_budget,
-                             attn=attn)
+                             attn=attn, **kv.kwargs())
         config = getattr(self.model, "config", None)
         self.max_length = int(max_length or getattr(config, "max_position_embeddings", 0)
                               or 2048)

@@ -8,7 +8,16 @@ from typing import TYPE_CHECKING, Any
 from kvgate.eval.config import EvalConfig, _at_least, _items, parse_budgets
 from kvgate.eval.errors import EvalError
 from kvgate.eval.options import opt
-from kvgate.eval.qa_options import check_qa, paired_opt, score_opt
+from kvgate.eval.qa_options import (
+    check_qa,
+    kv_bits_opt,
+    kv_group_opt,
+    kv_residual_opt,
+    kv_settings,
+    kv_storage,
+    paired_opt,
+    score_opt,
+)
 
 if TYPE_CHECKING:
     from kvgate.policies.base import Budget
@@ -38,6 +47,9 @@ class LongBenchConfig(EvalConfig):
                                      "(32 to 512)")
     score: str | list[str] = score_opt()
     paired: str | None = paired_opt()
+    kv_bits: int = kv_bits_opt()
+    kv_group: int = kv_group_opt()
+    kv_residual: int = kv_residual_opt()
 
     def __post_init__(self) -> None:
         from kvgate.eval.benchmarks.longbench.scoring import LongBenchError, task_names
@@ -54,9 +66,10 @@ class LongBenchConfig(EvalConfig):
         _at_least(self.max_length, "--max-length", 2)
         _at_least(self.max_new_tokens, "--max-new-tokens")
         check_qa(self)
+        kv_storage(self)  # a refused --kv-bits, --kv-group or --kv-residual: one line now
 
     def settings(self) -> dict[str, Any]:
         # --limit only selects (the first N of each task); the mode is in the key
         return {**super().settings(), "source": self.source, "max_length": self.max_length,
                 "chat": bool(self.chat), "max_new_tokens": self.max_new_tokens,
-                "query_aware": bool(self.query_aware), "score": self.score}
+                "query_aware": bool(self.query_aware), "score": self.score, **kv_settings(self)}

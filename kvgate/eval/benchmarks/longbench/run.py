@@ -44,6 +44,7 @@ from typing import Any
 
 from torch import nn
 
+from kvgate.cache.quant import KVQuant
 from kvgate.data.longctx import LongExample, load_longbench
 from kvgate.eval.benchmarks.longbench.scoring import TASK_METRIC, base_task, score_example
 from kvgate.eval.runner import Cell, QABenchmark, QAItem, qa_summary, run_qa, text_item
@@ -165,10 +166,12 @@ def evaluate_longbench(model: nn.Module, tokenizer: Any,
                        store: ResultStore, *, limit: int | None = None, source: str = "hub",
                        max_length: int | None = None, query_aware: bool = False,
                        chat: bool = True, max_new_tokens: int | None = None,
-                       progress: bool = True, scores: Sequence[str] = ("generate",)) -> list[str]:
+                       progress: bool = True, scores: Sequence[str] = ("generate",),
+                       kv: KVQuant | None = None) -> list[str]:
     """Score every (task, policy, budget); returns the result keys. ``tasks``: names (read
     from ``source``, the first ``limit`` of each) or their examples already read. Every task's
-    items are built (and checked to fit the model) before anything is scored."""
+    items are built (and checked to fit the model) before anything is scored. ``kv``: how the
+    caches store kept entries (None: as the model gives them)."""
     for task in tasks:
         base_task(task)  # an unknown name: one line, before any data is read
     data = dict(tasks) if isinstance(tasks, Mapping) else load_examples(tasks, source, limit)
@@ -181,4 +184,4 @@ def evaluate_longbench(model: nn.Module, tokenizer: Any,
                   partial(longbench_summary, buckets=task.endswith("-e")))
              for task, examples in data.items()]
     return run_qa(model, tokenizer, LONGBENCH, cells, policies, budgets, store,
-                  query_aware=query_aware, scores=scores, progress=progress)
+                  query_aware=query_aware, scores=scores, progress=progress, kv=kv)

@@ -17,12 +17,13 @@ def run_ruler(cfg: RulerConfig, load: Loader | None = None) -> EvalOutput:
     ``query_aware``."""
     from kvgate.eval.benchmarks.ruler.run import evaluate_ruler
     from kvgate.eval.commands import run_scored
+    from kvgate.eval.qa_options import kv_storage
 
     return run_scored(cfg, load, lambda model, tokenizer, policies, store: evaluate_ruler(
         model, tokenizer, cfg.tasks, cfg.lengths, policies, cfg.budgets, store,
         depths=cfg.depths, limit=cfg.limit, query_aware=cfg.query_aware, chat=cfg.chat,
         seed=cfg.seed, max_new_tokens=cfg.max_new_tokens, progress=cfg.progress,
-        source=cfg.source, scores=cfg.score))
+        source=cfg.source, scores=cfg.score, kv=kv_storage(cfg)))
 
 
 COMMAND = Command(RulerConfig, run_ruler, REPORT)

@@ -10,7 +10,16 @@ from typing import TYPE_CHECKING, Any
 from kvgate.eval.config import EvalConfig, _at_least, parse_budgets, parse_numbers, parse_tasks
 from kvgate.eval.errors import EvalError
 from kvgate.eval.options import opt
-from kvgate.eval.qa_options import check_qa, paired_opt, score_opt
+from kvgate.eval.qa_options import (
+    check_qa,
+    kv_bits_opt,
+    kv_group_opt,
+    kv_residual_opt,
+    kv_settings,
+    kv_storage,
+    paired_opt,
+    score_opt,
+)
 
 if TYPE_CHECKING:
     from kvgate.policies.base import Budget
@@ -48,6 +57,9 @@ class RulerConfig(EvalConfig):
                       "lengths 4096-131072) or a save_to_disk folder of it")
     score: str | list[str] = score_opt()
     paired: str | None = paired_opt()
+    kv_bits: int = kv_bits_opt()
+    kv_group: int = kv_group_opt()
+    kv_residual: int = kv_residual_opt()
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -63,10 +75,11 @@ class RulerConfig(EvalConfig):
         _at_least(self.limit, "--limit")
         _at_least(self.max_new_tokens, "--max-new-tokens")
         check_qa(self)
+        kv_storage(self)  # a refused --kv-bits, --kv-group or --kv-residual: one line now
 
     def settings(self) -> dict[str, Any]:
         # --limit only selects (example s is the same at any limit); the mode is in the key
         return {**super().settings(), "seed": self.seed, "depths": self.depths,
                 "chat": bool(self.chat), "max_new_tokens": self.max_new_tokens,
                 "query_aware": bool(self.query_aware), "source": self.source,
-                "score": self.score}
+                "score": self.score, **kv_settings(self)}

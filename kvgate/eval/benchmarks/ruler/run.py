@@ -27,6 +27,7 @@ from typing import Any
 
 from torch import nn
 
+from kvgate.cache.quant import KVQuant
 from kvgate.eval.benchmarks.ruler.scoring import score
 from kvgate.eval.benchmarks.ruler.tasks import NIAH, SCORING, TASKS, RulerExample, generate
 from kvgate.eval.runner import Cell, QABenchmark, QAItem, run_qa, text_item
@@ -139,9 +140,11 @@ def evaluate_ruler(model: nn.Module, tokenizer: Any, tasks: Sequence[str],
                    depths: Sequence[float] = (0, 25, 50, 75, 100), limit: int = 5,
                    query_aware: bool = False, chat: bool = True, seed: int = 0,
                    max_new_tokens: int | None = None, progress: bool = True,
-                   source: str = "generated", scores: Sequence[str] = ("generate",)) -> list[str]:
+                   source: str = "generated", scores: Sequence[str] = ("generate",),
+                   kv: KVQuant | None = None) -> list[str]:
     """Score every (task, length, policy, budget); returns the result keys. Every cell is
-    built (and checked to fit the model) before anything is scored."""
+    built (and checked to fit the model) before anything is scored. ``kv``: how the caches
+    store kept entries (None: as the model gives them)."""
     for task in tasks:
         if task not in TASKS:
             from kvgate.eval.benchmarks.ruler.haystack import RulerError
@@ -160,4 +163,4 @@ def evaluate_ruler(model: nn.Module, tokenizer: Any, tasks: Sequence[str],
     cells = [Cell(f"{task}@{length}", items, {"family": task, "length": length})
              for (task, length), items in built.items()]
     return run_qa(model, tokenizer, RULER, cells, policies, budgets, store,
-                  query_aware=query_aware, scores=scores, progress=progress)
+                  query_aware=query_aware, scores=scores, progress=progress, kv=kv)
