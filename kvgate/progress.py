@@ -83,7 +83,7 @@ class Progress:
         self.t0 = clock()
         self.note = ""
         self._shown_at: float | None = None
-        self._shown_done = self.done
+        self._shown = (self.done, self.total)  # what the last line said
         self._bar: Any = None
         self._closed = False
         if not self.quiet and is_terminal(self.stream):
@@ -130,13 +130,13 @@ class Progress:
         now = self.clock()
         due = (self._shown_at is None or now - self._shown_at >= self.every
                or self.done >= self.total)
-        if (due or force) and self.done != self._shown_done:
+        if (due or force) and self.done > self.start and (self.done, self.total) != self._shown:
             print(self.line(), file=self.stream, flush=True)
-            self._shown_at, self._shown_done = now, self.done
+            self._shown_at, self._shown = now, (self.done, self.total)
 
     def close(self) -> None:
-        """The bar's last state stays on the terminal; without a bar, the last step's line
-        is printed when the throttle held it back."""
+        """The bar's last state stays on the terminal; without a bar, the last state's line
+        is printed when the throttle held it back (or a drop changed it since)."""
         if self._closed:
             return
         self._closed = True

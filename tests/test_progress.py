@@ -81,6 +81,9 @@ def test_dropped_steps_leave_the_plan_and_the_estimate():
     bar.advance()
     assert out.getvalue().splitlines()[-1] == (
         "calibrate: 3/6 compressions (50%), 10s elapsed, ~10s left")
+    bar.drop(3)  # the last search needed nothing more: the job is done
+    bar.close()
+    assert out.getvalue().splitlines()[-1] == "calibrate: 3/3 compressions (100%), 10s elapsed, done"
 
 
 def test_a_resumed_job_shows_what_was_done_but_times_this_run_only():

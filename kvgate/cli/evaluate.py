@@ -32,6 +32,9 @@ Examples:
 Every run appends to ``OUT/results.json`` (resumable: finished keys and examples are skipped)
 and rewrites ``OUT/results.md`` and the plots. Runs of the same model may share OUT at once
 (say, two budgets side by side): each save merges under a lock, so none drops another's keys.
+Progress is one display on stderr for the whole run (every policy x budget x example still to
+score; calibrate: every compression): a bar on a terminal, else a line at most every few
+seconds, done / total with the time left; ``--quiet`` (or ``--no-progress``) leaves it out.
 Budgets are ratios of each context's real length (0.5 keeps half the entries of every KV head)
 or integer token counts (> 1).
 Policy options: ``--policy-opt snapkv.window=16`` (repeatable; VALUE parsed as JSON when it
@@ -117,10 +120,15 @@ def config_from_args(args: argparse.Namespace) -> Any:
 
 
 def run_args(args: argparse.Namespace, load: Callable | None = None) -> int:
-    """Check the flags, run the command, print the files written and the results table."""
+    """Check the flags, run the command, print the files written and the results table.
+    Progress goes to stderr; ``--quiet`` / ``--no-progress`` leave it out, a first load's GGUF
+    conversion's included."""
     from kvgate.eval.registry import run_eval
+    from kvgate.progress import silenced
 
-    output = run_eval(config_from_args(args), load)
+    cfg = config_from_args(args)
+    with silenced(not getattr(cfg, "progress", True)):
+        output = run_eval(cfg, load)
     for path in output.paths:
         print(path)
     print(output.table())

@@ -4,7 +4,8 @@ eviction ratios, on held-out contexts (:mod:`kvgate.inference.calibrate`).
 The contexts are RULER-style haystacks of ``--tasks`` (generated from ``--seed``, by default
 1000 on, away from the seeds ``eval ruler`` scores: 0 on) or the first ``length`` tokens of
 ``--text-files``. Writes ``OUT/calibration.json`` and ``.md`` (each written whole) and prints
-the table with the flag that dials each threshold::
+the table with the flag that dials each threshold; its progress counts compressions of a
+context (``kvgate.inference.calibrate``; ``--quiet`` leaves it out)::
 
     kvgate eval calibrate --checkpoint runs/cpt_kvzap/gated --policies local_gate \\
         --evict 0.25,0.5,0.75 --lengths 1024,2048,4096 --out out/cal
@@ -119,6 +120,7 @@ def run_calibrate(cfg: CalibrateConfig, load: Any = None) -> CalibrationOutput:
     from kvgate.data.cache import write_atomic, write_json_atomic
     from kvgate.eval.commands import load_checked
     from kvgate.inference.calibrate import calibrate
+    from kvgate.progress import Progress
 
     model, tokenizer, policies, meta = load_checked(cfg, load, cfg.build_policies())
     tokenised = None
@@ -127,14 +129,21 @@ def run_calibrate(cfg: CalibrateConfig, load: Any = None) -> CalibrationOutput:
 
         tokenised = TokenRows(tokenizer, load_text_files(cfg.text_files))
     rows = []
-    for length in cfg.lengths:
-        texts = contexts(cfg, tokenizer, length, tokenised)
-        for label, policy in policies.items():
-            fits = calibrate(model, tokenizer, policy, texts, cfg.evict, cfg.tol, cfg.max_runs,
-                             cfg.chat)
-            rows += [{"policy": label, "length": length, "target": f.target, "tau": f.tau,
-                      "evicted": f.evicted, "runs": f.runs, "reached": f.reached,
-                      "contexts": len(texts)} for f in fits]
+    # compressions at most: every context, max_runs times a target; fewer texts than asked and
+    # searches that end early leave the total as they are found
+    asked = cfg.limit * (1 if cfg.text_files else len(cfg.tasks))
+    per_context = len(set(cfg.evict)) * cfg.max_runs * len(policies)
+    with Progress(len(cfg.lengths) * asked * per_context, "calibrate", "compression",
+                  quiet=not cfg.progress) as bar:
+        for length in cfg.lengths:
+            texts = contexts(cfg, tokenizer, length, tokenised)
+            bar.drop((asked - len(texts)) * per_context)
+            for label, policy in policies.items():
+                fits = calibrate(model, tokenizer, policy, texts, cfg.evict, cfg.tol,
+                                 cfg.max_runs, cfg.chat, bar)
+                rows += [{"policy": label, "length": length, "target": f.target, "tau": f.tau,
+                          "evicted": f.evicted, "runs": f.runs, "reached": f.reached,
+                          "contexts": len(texts)} for f in fits]
     out = Path(cfg.out)
     json_path, md_path = out / "calibration.json", out / "calibration.md"
     settings = {**cfg.settings(), "tasks": None if cfg.text_files else cfg.tasks,

@@ -4,13 +4,13 @@ their values; ``ReportConfig`` (``kvgate eval report``). Each benchmark's own co
 its folder (``kvgate.eval.benchmarks.<name>.config``).
 
 Each dataclass holds exactly the options of its command, named as its flags are
-(``--max-length`` -> ``max_length``, ``--no-progress`` -> ``progress=False``); each field is
-declared with its flag's help (:func:`kvgate.eval.options.opt`), so the command line is
-written from it and every default lives here once; the registry (:mod:`kvgate.eval.registry`)
-runs it. List options take a comma-separated string, as on the command line, or a sequence,
-and are stored as lists of their type; ``__post_init__`` checks every value before any model
-loads, and a bad one raises :class:`~kvgate.eval.errors.EvalError` with one line that names
-the flag::
+(``--max-length`` -> ``max_length``, ``--no-progress`` or ``--quiet`` -> ``progress=False``);
+each field is declared with its flag's help (:func:`kvgate.eval.options.opt`), so the command
+line is written from it and every default lives here once; the registry
+(:mod:`kvgate.eval.registry`) runs it. List options take a comma-separated string, as on the
+command line, or a sequence, and are stored as lists of their type; ``__post_init__`` checks
+every value before any model loads, and a bad one raises
+:class:`~kvgate.eval.errors.EvalError` with one line that names the flag::
 
     from kvgate.eval import MCConfig, run_eval
     run_eval(MCConfig(out="out/x", model="smollm2-135m", tasks="rte,copa",
@@ -191,7 +191,8 @@ class EvalConfig:
     batch_size: int = opt(8, "examples per forward")
     dtype: str = opt("float32", "model weights' dtype")
     device: str = opt("cpu", "torch device")
-    progress: bool = opt(True, "no progress bars")
+    progress: bool = opt(True, "no progress on stderr (a bar on a terminal, else a line every "
+                         "few seconds); --quiet is the same", also=("--quiet",))
 
     def __post_init__(self) -> None:
         if not str(self.out).strip():

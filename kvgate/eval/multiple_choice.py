@@ -40,7 +40,7 @@ from kvgate.attention.masks import left_pad, right_pad
 from kvgate.data.tasks import MCExample
 from kvgate.eval.errors import EvalError, encode, model_device, model_shape
 from kvgate.eval.masked import ItemScore, ScoringItem, check_budget_ratio, masked_scores
-from kvgate.eval.resumable import evict_summary, run_resumable
+from kvgate.eval.resumable import Tally, evict_summary, planned_runs, run_resumable
 from kvgate.eval.store import ResultStore, budget_label, make_key
 from kvgate.inference import Engine
 from kvgate.inference.compress import run_passes
@@ -244,10 +244,11 @@ def run_items(model: nn.Module, items: Sequence[ScoringItem], policy: Policy,
               budget_of: Callable[[str], Budget], mode: str, store: ResultStore, key: str,
               summarise: Callable[[Mapping[str, Any]], dict[str, Any]],
               extra: Mapping[str, Any] | None = None, batch_size: int = 8, pad: int = 0,
-              progress: bool = True, record_budget: bool = True,
+              progress: bool | Tally = True, record_budget: bool = True,
               tokenizer: Any = None, step: int | None = None) -> dict[str, Any]:
     """Continuation scoring of ``items`` under one key (resumable); ``budget_of(uid)`` gives
-    each item's budget. Returns the stored record."""
+    each item's budget; ``progress``: the run's ``Tally`` (or whether to show this key's
+    own). Returns the stored record."""
     check_mode(mode)
 
     def score(batch: list[ScoringItem]) -> list[dict[str, Any]]:
@@ -321,16 +322,18 @@ def evaluate_mc(model: nn.Module, tokenizer: Any, tasks: Mapping[str, Sequence[M
     items = tokenize_tasks(tasks, tokenizer, max_length, context_limit(model.config), truncate)
     pad = pad_id(tokenizer)
     keys = []
-    for task, task_items in items.items():
-        for name, policy in policies.items():
-            buds: Sequence[Budget | None] = [None] if policy.budget_free else budgets
-            for bud in buds:
-                key = make_key("mc", task, name, budget_label(bud), mode)
-                fixed = bud or Budget(ratio=1.0)
-                run_items(model, task_items, policy, lambda _uid, b=fixed: b, mode, store, key,
-                          mc_summary, batch_size=batch_size, pad=pad, progress=progress,
-                          record_budget=bud is not None, tokenizer=tokenizer)
-                keys.append(key)
+    pairs = sum(map(len, items.values())) * planned_runs(policies, budgets)
+    with Tally(pairs, "mc", progress) as tally:
+        for task, task_items in items.items():
+            for name, policy in policies.items():
+                buds: Sequence[Budget | None] = [None] if policy.budget_free else budgets
+                for bud in buds:
+                    key = make_key("mc", task, name, budget_label(bud), mode)
+                    fixed = bud or Budget(ratio=1.0)
+                    run_items(model, task_items, policy, lambda _uid, b=fixed: b, mode, store,
+                              key, mc_summary, batch_size=batch_size, pad=pad, progress=tally,
+                              record_budget=bud is not None, tokenizer=tokenizer)
+                    keys.append(key)
     return keys
 
 
@@ -363,24 +366,26 @@ def evaluate_matched(model: nn.Module, tokenizer: Any, tasks: Mapping[str, Seque
     items = tokenize_tasks(tasks, tokenizer, max_length, context_limit(model.config), truncate)
     pad = pad_id(tokenizer)
     keys = []
-    for task, task_items in items.items():
-        ref_key = make_key("mc", task, ref_name, ref_label, mode)
-        fixed = ref_budget or Budget(ratio=1.0)
-        record = run_items(model, task_items, reference, lambda _uid, b=fixed: b, mode, store,
-                           ref_key, mc_summary, batch_size=batch_size, pad=pad,
-                           progress=progress, record_budget=ref_budget is not None,
-                           tokenizer=tokenizer)
-        keys.append(ref_key)
-        per_example = matched_budgets(record, rounding)
-        label = (("matched~" if rounding == "nearest" else "matched-") + ref_name
-                 + ("" if ref_budget is None else f"@{ref_label}"))
-        for name, policy in policies.items():
-            if name == ref_name:
-                continue
-            key = make_key("mc", task, name, label, mode)
-            with (others or nullcontext)():
-                run_items(model, task_items, policy, per_example.__getitem__, mode, store, key,
-                          mc_summary, batch_size=batch_size, pad=pad, progress=progress,
-                          tokenizer=tokenizer)
-            keys.append(key)
+    runs = 1 + sum(1 for name in policies if name != ref_name)  # the reference, the others
+    with Tally(sum(map(len, items.values())) * runs, "matched", progress) as tally:
+        for task, task_items in items.items():
+            ref_key = make_key("mc", task, ref_name, ref_label, mode)
+            fixed = ref_budget or Budget(ratio=1.0)
+            record = run_items(model, task_items, reference, lambda _uid, b=fixed: b, mode,
+                               store, ref_key, mc_summary, batch_size=batch_size, pad=pad,
+                               progress=tally, record_budget=ref_budget is not None,
+                               tokenizer=tokenizer)
+            keys.append(ref_key)
+            per_example = matched_budgets(record, rounding)
+            label = (("matched~" if rounding == "nearest" else "matched-") + ref_name
+                     + ("" if ref_budget is None else f"@{ref_label}"))
+            for name, policy in policies.items():
+                if name == ref_name:
+                    continue
+                key = make_key("mc", task, name, label, mode)
+                with (others or nullcontext)():
+                    run_items(model, task_items, policy, per_example.__getitem__, mode, store,
+                              key, mc_summary, batch_size=batch_size, pad=pad, progress=tally,
+                              tokenizer=tokenizer)
+                keys.append(key)
     return keys

@@ -28,7 +28,7 @@ def opt(default: Any = dataclasses.MISSING, help: str = "", *, factory: Any = No
         **flag: Any) -> Any:
     """A config field with its flag's help; ``flag`` goes to ``add_argument`` (``choices``,
     ``metavar``, ``action``, ``nargs``, ``group``: a required one-of group by that name,
-    ``required``, ``hidden``: no flag)."""
+    ``required``, ``hidden``: no flag, ``also``: other spellings of the flag)."""
     meta = {"help": help, **flag}
     if factory is not None:
         return dataclasses.field(default_factory=factory, metadata=meta)
@@ -66,6 +66,7 @@ def add_flags(parser: argparse.ArgumentParser, cls: type) -> None:
             continue
         text = plain(meta.pop("help", ""))
         group = meta.pop("group", None)
+        also = tuple(meta.pop("also", ()))
         kind = _kind(f.type)
         name = flag_name(f.name)
         kwargs: dict[str, Any] = {"dest": f.name, **meta}
@@ -88,7 +89,7 @@ def add_flags(parser: argparse.ArgumentParser, cls: type) -> None:
             if group not in groups:
                 groups[group] = parser.add_mutually_exclusive_group(required=True)
             target = groups[group]
-        target.add_argument(name, help=text.replace("%", "%%") or None, **kwargs)
+        target.add_argument(name, *also, help=text.replace("%", "%%") or None, **kwargs)
     parser.add_argument("--debug", action="store_true", help="show tracebacks")
 
 

@@ -10,6 +10,9 @@ ratio, or to serve it at one, the threshold is found on contexts like the ones i
 evicted share at a tau (a higher tau evicts more); :func:`evicted_share` is that function for
 a policy with a ``tau`` option over real contexts (each compressed alone, as ``Engine.compress``
 does, its share of entries evicted averaged over the contexts).
+
+Progress (``kvgate.progress``) counts compressions: at most ``max_runs`` measurements of every
+context per target, the runs a search did not need dropped from the total when it ends.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvgate.policies.base import Policy, PolicyError
+from kvgate.progress import Progress
 
 
 @dataclass(frozen=True)
@@ -38,7 +42,8 @@ class TauFit:
 
 
 def fit_taus(evicted: Callable[[float], float], targets: Sequence[float], tol: float = 0.01,
-             max_runs: int = 10) -> list[TauFit]:
+             max_runs: int = 10, ended: Callable[[TauFit], None] | None = None
+             ) -> list[TauFit]:
     """One :class:`TauFit` per target (in the order given).
 
     The search brackets each target between the measured thresholds around it (tau 0 counts
@@ -46,7 +51,8 @@ def fit_taus(evicted: Callable[[float], float], targets: Sequence[float], tol: f
     bracket with its midpoint, so a smooth share converges in a few runs and any monotone one
     at least halves the bracket every second run. Measurements are shared across targets.
     A target the gate cannot reach (its sinks and recent window always stay) ends at the
-    closest share measured, with ``reached`` false.
+    closest share measured, with ``reached`` false. ``ended`` is told each fit as its search
+    ends.
     """
     for t in targets:
         if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0.0 < t < 1.0:
@@ -82,6 +88,8 @@ def fit_taus(evicted: Callable[[float], float], targets: Sequence[float], tol: f
             runs += 1
         best = _closest(seen, target)
         fits[target] = TauFit(target, best, seen[best], runs, tol)
+        if ended is not None:
+            ended(fits[target])
     return [fits[float(t)] for t in targets]
 
 
@@ -100,22 +108,32 @@ def with_tau(policy: Policy, tau: float) -> Policy:
 
 
 def evicted_share(model: Any, tokenizer: Any, policy: Policy, contexts: Sequence[str],
-                  chat: bool = True) -> float:
+                  chat: bool = True, progress: Progress | None = None) -> float:
     """Mean over ``contexts`` of the share of context entries (all layers and KV heads)
-    ``policy`` evicts when the context is compressed alone."""
+    ``policy`` evicts when the context is compressed alone (``progress``: a step each)."""
     from kvgate.inference.engine import Engine
 
     if not contexts:
         raise PolicyError("calibration needs at least one context")
     engine = Engine(model, tokenizer, policy, budget=1.0)  # a gate's threshold decides, not it
-    shares = [1.0 - engine.compress(text, chat=chat).kept_fraction for text in contexts]
+    shares = []
+    for text in contexts:
+        shares.append(1.0 - engine.compress(text, chat=chat).kept_fraction)
+        if progress is not None:
+            progress.advance(note=f"{policy.name} at tau {getattr(policy, 'tau', 0.0):.4f}")
     return sum(shares) / len(shares)
 
 
 def calibrate(model: Any, tokenizer: Any, policy: Policy, contexts: Sequence[str],
               targets: Sequence[float], tol: float = 0.01, max_runs: int = 10,
-              chat: bool = True) -> list[TauFit]:
-    """``policy``'s threshold for each target evicted share over ``contexts``."""
+              chat: bool = True, progress: Progress | None = None) -> list[TauFit]:
+    """``policy``'s threshold for each target evicted share over ``contexts``; ``progress``
+    counts compressions, ``len(set(targets)) * max_runs * len(contexts)`` at most."""
     with_tau(policy, 0.5)  # refuse a policy without a threshold before any run
+
+    def ended(fit: TauFit) -> None:
+        if progress is not None:
+            progress.drop((max_runs - fit.runs) * len(contexts))
+
     return fit_taus(lambda tau: evicted_share(model, tokenizer, with_tau(policy, tau), contexts,
-                                              chat), targets, tol, max_runs)
+                                              chat, progress), targets, tol, max_runs, ended)

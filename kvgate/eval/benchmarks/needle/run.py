@@ -32,6 +32,7 @@ from kvgate.eval.asked import Question
 from kvgate.eval.errors import EvalError, encode
 from kvgate.eval.masked import ScoringItem
 from kvgate.eval.multiple_choice import check_mode, mc_summary, run_items
+from kvgate.eval.resumable import Tally, planned_runs
 from kvgate.eval.runner import Cell, QABenchmark, QAItem, run_qa
 from kvgate.eval.store import ResultStore, budget_label, make_key
 from kvgate.eval.teacher import answer_tokens
@@ -238,15 +239,17 @@ def evaluate_needle(model: nn.Module, tokenizer: Any, texts: Sequence[str],
                       query_aware=query_aware, scores=scores, progress=progress)
     pad = pad_id(tokenizer)
     keys = []
-    for task, extra, _, ranked in cells:
-        for name, policy in policies.items():
-            buds: Sequence[Budget | None] = [None] if policy.budget_free else budgets
-            for bud in buds:
-                fixed = bud or Budget(ratio=1.0)
-                key = make_key("needle", task, name, budget_label(bud),
-                               f"rank-{mode}" + ("" if query_aware else "-agnostic"))
-                run_items(model, ranked, policy, lambda _u, b=fixed: b,
-                          mode, store, key, needle_summary, extra, batch_size, pad, progress,
-                          tokenizer=tokenizer)
-                keys.append(key)
+    pairs = sum(len(ranked) for *_, ranked in cells) * planned_runs(policies, budgets)
+    with Tally(pairs, "needle", progress) as tally:
+        for task, extra, _, ranked in cells:
+            for name, policy in policies.items():
+                buds: Sequence[Budget | None] = [None] if policy.budget_free else budgets
+                for bud in buds:
+                    fixed = bud or Budget(ratio=1.0)
+                    key = make_key("needle", task, name, budget_label(bud),
+                                   f"rank-{mode}" + ("" if query_aware else "-agnostic"))
+                    run_items(model, ranked, policy, lambda _u, b=fixed: b,
+                              mode, store, key, needle_summary, extra, batch_size, pad, tally,
+                              tokenizer=tokenizer)
+                    keys.append(key)
     return keys

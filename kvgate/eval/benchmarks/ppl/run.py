@@ -17,7 +17,7 @@ from torch import nn
 from kvgate.eval.errors import EvalError, encode
 from kvgate.eval.masked import ScoringItem
 from kvgate.eval.multiple_choice import check_mode, run_items
-from kvgate.eval.resumable import evict_summary
+from kvgate.eval.resumable import Tally, evict_summary, planned_runs
 from kvgate.eval.store import ResultStore, budget_label, make_key
 from kvgate.models.limits import InputTooLongError, context_limit
 from kvgate.models.load import pad_id
@@ -160,14 +160,15 @@ def evaluate_ppl(model: nn.Module, tokenizer: Any, texts: Sequence[str],
         extra["step"] = step
     pad = pad_id(tokenizer)
     keys = []
-    for pname, policy in policies.items():
-        buds: Sequence[Budget | None] = [None] if policy.budget_free else budgets
-        for bud in buds:
-            fixed = bud or Budget(ratio=1.0)
-            task = name if context is None else f"{name}@{context}+{continuation}"
-            key = make_key("ppl", task, pname, budget_label(bud), mode)
-            run_items(model, items, policy, lambda _u, b=fixed: b, mode, store, key,
-                      ppl_summary, extra, batch_size, pad, progress, record_budget=bud is not None,
-                      tokenizer=tokenizer, step=step)
-            keys.append(key)
+    with Tally(len(items) * planned_runs(policies, budgets), "ppl", progress) as tally:
+        for pname, policy in policies.items():
+            buds: Sequence[Budget | None] = [None] if policy.budget_free else budgets
+            for bud in buds:
+                fixed = bud or Budget(ratio=1.0)
+                task = name if context is None else f"{name}@{context}+{continuation}"
+                key = make_key("ppl", task, pname, budget_label(bud), mode)
+                run_items(model, items, policy, lambda _u, b=fixed: b, mode, store, key,
+                          ppl_summary, extra, batch_size, pad, tally,
+                          record_budget=bud is not None, tokenizer=tokenizer, step=step)
+                keys.append(key)
     return keys
