@@ -32,7 +32,7 @@ from kvgate.cache.shared_passes import share_group
 from kvgate.eval.asked import Asked, Question, ask_agnostic, ask_query_aware, ask_shared
 from kvgate.eval.intervals import mean_interval
 from kvgate.eval.qa_options import check_scores
-from kvgate.eval.resumable import add_records, evict_summary, run_resumable
+from kvgate.eval.resumable import Tally, add_records, evict_summary, planned_runs, run_resumable
 from kvgate.eval.store import ResultStore, budget_label, make_key
 from kvgate.eval.teacher import answer_tokens
 from kvgate.policies.base import Budget, Policy
@@ -150,18 +150,21 @@ def run_qa(model: nn.Module, tokenizer: Any, bench: QABenchmark, cells: Sequence
            policies: Mapping[str, Policy], budgets: Sequence[Budget], store: ResultStore, *,
            query_aware: bool = False, scores: Sequence[str] = ("generate",),
            progress: bool = True, kv: KVQuant | None = None) -> list[str]:
-    """Score every (cell, policy, budget); returns the result keys."""
+    """Score every (cell, policy, budget); returns the result keys. ``progress``: one display
+    of every (key, example) pair of the run (:class:`~kvgate.eval.resumable.Tally`)."""
     scores = check_scores(scores)
     keys = []
-    for cell in cells:
-        keys += _run_cell(model, tokenizer, bench, cell, policies, budgets, store, query_aware,
-                          scores, progress, kv)
+    pairs = sum(len(cell.items) for cell in cells) * planned_runs(policies, budgets)
+    with Tally(pairs, bench.kind, progress) as tally:
+        for cell in cells:
+            keys += _run_cell(model, tokenizer, bench, cell, policies, budgets, store,
+                              query_aware, scores, tally, kv)
     return keys
 
 
 def _run_cell(model: nn.Module, tokenizer: Any, bench: QABenchmark, cell: Cell,
               policies: Mapping[str, Policy], budgets: Sequence[Budget], store: ResultStore,
-              query_aware: bool, scores: list[str], progress: bool,
+              query_aware: bool, scores: list[str], tally: Tally,
               kv: KVQuant | None = None) -> list[str]:
     """Every (policy, budget) of one cell, each under its resumable key."""
     mode = bench.modes[1] if query_aware else bench.modes[0]
@@ -190,7 +193,7 @@ def _run_cell(model: nn.Module, tokenizer: Any, bench: QABenchmark, cell: Cell,
                     for k, a in asked.items()}
             for k, rec in recs.items():
                 if k != key:
-                    add_records(store, k, [(it, rec)], summary, extra, shared[k][0])
+                    add_records(store, k, [(it, rec)], summary, extra, shared[k][0], tally)
             out.append(recs[key])
         return out
 
@@ -202,5 +205,5 @@ def _run_cell(model: nn.Module, tokenizer: Any, bench: QABenchmark, cell: Cell,
             return [record(bench, it, ask(model, tokenizer, it.context, it.question, policy,
                                           fixed, scores, kv)) for it in batch]
 
-        run_resumable(store, key, cell.items, run, summary, extra, 1, progress, policy)
+        run_resumable(store, key, cell.items, run, summary, extra, 1, tally, policy)
     return [key for key, _, _ in jobs]
