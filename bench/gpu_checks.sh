@@ -14,8 +14,11 @@
 # Triton kernel's CUDA tests, the kernel alone against the materialised one and SDPA flash,
 # gates + LoRA against LoRA-only at 2k-8k in bf16-mixed and at 4k without autocast, a profiled
 # step of each, gates-only against the chunked and materialised kernels, the autotuned kernel
-# last). Each
-# step of the gentests, decode and triton parts runs under a time limit, so one slow step
+# last), kvquant (not by default: kept entries in 8 / 4 bits against the 16-bit compressed cache,
+# SnapKV at 50% of a 4k context on SmolLM2's shape in bf16: decode tokens/s, compress + answer,
+# the share of decode spent dequantizing, since no fused dequantize-attention kernel is
+# written; bench/bench_kv_quant.py). Each
+# step of the gentests, decode, triton and kvquant parts runs under a time limit, so one slow step
 # cannot eat a lease; with DEADLINE=S set, a step that would start after S seconds is skipped.
 # (The FlexAttention kernel these checks also timed is removed: 3.7-14x slower than the
 # chunked one on an H200, experiments/LOG.md 8c.)
@@ -58,13 +61,13 @@ PY
   exit 0
 fi
 
-usage="usage: $0 prepare | run OUTDIR [tests|bench|oneshot|train|lora|gentests|decode|triton ...]"
+usage="usage: $0 prepare | run OUTDIR [tests|bench|oneshot|train|lora|gentests|decode|triton|kvquant ...]"
 [ "${1:-}" = run ] || { echo "$usage" >&2; exit 2; }
 out=${2:?$usage}
 shift 2
 parts=("$@"); [ ${#parts[@]} -gt 0 ] || parts=(tests bench oneshot train lora decode)
 for p in "${parts[@]}"; do
-  case $p in tests|bench|oneshot|train|lora|gentests|decode|triton) ;; *) echo "unknown PART '$p'; $usage" >&2; exit 2 ;; esac
+  case $p in tests|bench|oneshot|train|lora|gentests|decode|triton|kvquant) ;; *) echo "unknown PART '$p'; $usage" >&2; exit 2 ;; esac
 done
 want() { [[ " ${parts[*]} " == *" $1 "* ]]; }
 mkdir -p "$out"
@@ -198,6 +201,14 @@ want triton && {
   step "bench_kernel --triton autotuned" timeout 240 $py bench/bench_kernel.py --device cuda \
     --triton --repeats 10 --shapes 1,32,32,4096,128 1,9,3,2048,64
 } 2>&1 | grep --line-buffered -v "it/s\]" | tee "$out/bench_triton.log"
+
+want kvquant && {
+  # the random base's tokens, not SmolLM2's text: speed only (bench_kv_quant --grouping, the key
+  # grouping's error, needs real weights: run it on the CPU)
+  step "bench_kv_quant $base" timeout 240 $py bench/bench_kv_quant.py --device cuda \
+    --dtype bfloat16 --base "$base" --length 4096 --new-tokens 64 --repeats 3 \
+    --json "$out/bench_kv_quant.json"
+} 2>&1 | grep --line-buffered -v "Loading weights" | tee "$out/bench_kv_quant.log"
 
 if want gentests; then
   step "pytest -m gpu -k generation" timeout 240 $py -m pytest -m gpu tests/gpu -q \

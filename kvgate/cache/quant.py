@@ -11,15 +11,18 @@ Why per token, for keys too (KIVI, arXiv:2402.02750, groups keys along tokens pe
 the ragged store moves single entries (a decode-time eviction writes a new entry over an
 evicted one in place, a compaction gathers the survivors, a fork shares rows, heads hold
 different tokens), so a row must decode alone; a key group spanning tokens would tie entries
-that eviction separates. KIVI's own ablation finds per-token keys fine at 4 bits and above and
-failing only at 2, which kvgate does not offer; ``bench/bench_kv_quant.py --grouping`` measures
-the two groupings' attention error on a real model.
+that eviction separates. Measured as good (``bench/bench_kv_quant.py --grouping``: SmolLM2-135M,
+a 1k RULER context under SnapKV at 50%, every stored entry quantized in groups of 32, the
+question and answer fed over it): the next-token KL to the 16-bit cache is 2.2e-5 per token
+against 3.7e-5 per channel at 8 bits, 1.1e-2 against 1.0e-2 at 4 bits.
 
-Why written here rather than taken from a library: torch's quantized tensors store a float64
-scale and an int64 zero point per group (16 bytes, more than the 4-bit codes of a 32-channel
-group) and do not gather or scatter rows; transformers' ``QuantizedCache`` backends (quanto,
-HQQ) quantize a dense ``[B, H, T, d]`` layer cache and re-quantize it as it grows, which a
-ragged store of different tokens per head is not. The packing is two shifts and a mask. On
+Why written here rather than taken from a library: torch's per-channel quantized tensors (torch
+2.13, deprecated) store a float64 scale and an int64 zero point per group (16 bytes, more than
+the 4-bit codes of a 32-channel group), refuse row gathers and scatters, and have no 4-bit type
+per channel; transformers' ``QuantizedCache`` backends (quanto, HQQ) quantize a dense
+``[B, H, T, d]`` layer cache, dequantizing and re-quantizing all of it each time its residual
+fills, which a ragged store of different tokens per head is not. The packing is two shifts and
+a mask. On
 CUDA, a fused dequantize-attention kernel (reading the codes inside the attention instead of
 materialising the dequantized base each step) is the GPU path; it is left for a CUDA machine.
 """
