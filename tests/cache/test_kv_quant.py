@@ -295,6 +295,23 @@ def test_attention_output_within_tolerance_of_the_full_precision_cache(family, b
         assert torch.equal(cache.kept_counts(layer), cache.layers[layer].capacity)
         assert torch.equal(cache.layers[layer].store.slot_positions(),
                            ref.layers[layer].store.slot_positions())
+    # the first layer's entries are the same tokens' in both runs: its residual window (the
+    # newest 8 positions) reads back bit-equal to the full-precision cache's, older ones not
+    got, want = _slots(cache.layers[0].store), _slots(ref.layers[0].store)
+    pos = cache.layers[0].store.slot_positions()
+    recent = pos >= cache.layers[0].real_seen[:, None, None] - 8
+    old = (pos >= 0) & ~recent
+    assert recent.any() and old.any()
+    for a, c in zip(got, want):
+        assert torch.equal(a[recent], c[recent]) and not torch.equal(a[old], c[old])
+
+
+def _slots(store):
+    """Keys and values over the slot view ``[B, H_kv, T, d]``: the base, then the tail."""
+    keys, values = store.base_kv()
+    if store.tail_len:
+        keys, values = torch.cat([keys, store.tail_k], 2), torch.cat([values, store.tail_v], 2)
+    return keys, values
 
 
 @pytest.mark.parametrize("bits", [16, 8, 4])

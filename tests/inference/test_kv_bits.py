@@ -110,6 +110,16 @@ def test_a_shared_prefill_gives_each_variant_its_own_quantized_cache():
     assert isinstance(unquantized["snap"].cache.layers[0].store.rows, PlainRows)
 
 
+def test_fixed_shape_decode_reads_the_quantized_cache_dequantized():
+    """graphs=True freezes the cache after the prefill (its base dequantized once): the same
+    tokens as eager decode over the quantized cache, while no flush of the tail intervenes."""
+    model = build(tiny_llama_config())
+    outs = [Engine(model, char_tokenizer(), get_policy("snapkv", window=4), 0.5, graphs=graphs,
+                   **KV).generate(PROMPTS, max_new_tokens=12) for graphs in (False, True)]
+    assert outs[0].token_ids == outs[1].token_ids
+    assert outs[0].stats.bytes_held == outs[1].stats.bytes_held  # written back, then counted
+
+
 def test_engine_refuses_bad_settings_in_one_line():
     model = build(tiny_llama_config())
     with pytest.raises(CacheError, match="kv_bits must be 16, 8 or 4, got 6"):
