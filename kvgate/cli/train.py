@@ -17,6 +17,9 @@ stops the run before any model is loaded with one line ``error: ...`` naming the
 exit 2 (no usage dump; ``--help`` has it). So does a run that would train no step
 (``max_steps``, ``max_epochs`` or ``limit_train_batches`` 0: its export would be the untrained
 gates). A ``KVGateError`` prints its first line and exits 2 (``--debug``: its traceback).
+A config saved before a setting was removed still loads while it asks for nothing the setting
+did (``warmstart_steps: 0``); asking for it (``warmstart_steps: 30``, ``kernel: flex``) is one
+line naming what replaced it (``kvgate.cli.retired``).
 
 The run folder (``--run_dir``, else ``trainer.default_root_dir``) is locked for the run
 (``RUN_DIR/.kvgate-run.lock``, ``kvgate.training.runlock``): a second run into it is refused;
@@ -60,6 +63,7 @@ from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
 from kvgate.cli.common import find_cause, first_line
+from kvgate.cli.retired import retire_settings
 from kvgate.errors import KVGateError
 from kvgate.files import check_output_dir
 from kvgate.training import KVGateDataModule, KVGateModule, TrainingConfigError
@@ -293,6 +297,7 @@ def main(argv: list[str] | None = None, prog: str = "train.py") -> int:
     stop = GracefulStop()
     try:
         check_config_files(argv)
+        argv = retire_settings(argv)  # a saved config's warmstart_steps: 0 loads; 30 is refused
         cli = _build_cli(argv, prog)
         created = _created_root(Path(cli.trainer.log_dir))
         check_overwrite(overwrite, cli.config.get("ckpt_path"))

@@ -3,9 +3,20 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
+from typing import Any
 
 from kvgate.errors import KVGateError
+
+# removed settings, each with why and what replaced it. A checkpoint's hyper-parameters or a
+# saved config may still carry them: from_dict drops them (a finished run's record), and
+# kvgate.cli.retired drops them from a config that asks for nothing they did (the warm start
+# off: warmstart_steps 0) and refuses, in one line naming this, one that asks for it
+WARM_START = ("the warm start (gates first trained on a heuristic's keep labels) was removed: "
+              "it did not help (experiments/LOG.md); remove the key (experiments/README.md "
+              "says how the cpt_recipe rows trained with it are reproduced)")
+RETIRED: dict[str, str] = {"warmstart_steps": WARM_START, "warmstart_policy": WARM_START,
+                           "warmstart_keep": WARM_START}
 
 
 class RecipeError(KVGateError, ValueError):
@@ -32,9 +43,6 @@ class RecipeSettings:
     beta_start: float | None = None  # anneal beta from this value (1.0 = keep all); None = off
     beta_steps: int = 0  # optimiser steps over which beta goes from beta_start to gate.beta
     beta_schedule: str = "linear"  # linear | cosine
-    warmstart_steps: int = 0  # first steps train gates on heuristic keep labels (BCE); 0 = off
-    warmstart_policy: str = "h2o"  # heuristic whose masks are the labels (h2o | snapkv | ...)
-    warmstart_keep: float | None = None  # keep ratio of the labels; None = gate.beta
     # gates against the base's KVzip labels (kvgate.recipes.oracle; data.init_args.oracle)
     oracle_weight: float = 0.0  # weight of the oracle loss; 0 = off
     oracle_loss: str = "mse_log"  # mse_log (KVzap) | bce (Fast KVzip) | rank (pairwise)
@@ -62,10 +70,6 @@ class RecipeSettings:
             raise bad("beta_steps", "must be >= 0")
         if self.beta_schedule not in ("linear", "cosine"):
             raise bad("beta_schedule", "must be linear or cosine")
-        if self.warmstart_steps < 0:
-            raise bad("warmstart_steps", "must be >= 0")
-        if self.warmstart_keep is not None and not 0.0 < self.warmstart_keep <= 1.0:
-            raise bad("warmstart_keep", "must lie in (0, 1] or be null")
         from kvgate.recipes.oracle import ORACLE_LOSSES
 
         if self.oracle_loss not in ORACLE_LOSSES:
@@ -73,8 +77,14 @@ class RecipeSettings:
         if self.oracle_keep is not None and not (_number(self.oracle_keep)
                                                  and 0.0 < self.oracle_keep <= 1.0):
             raise bad("oracle_keep", "must lie in (0, 1] or be null")
-        if self.warmstart_steps:
-            from kvgate.policies import list_policies
 
-            if self.warmstart_policy not in list_policies() or self.warmstart_policy == "attention_gate":
-                raise bad("warmstart_policy", f"must be a heuristic policy: {list_policies()}")
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> RecipeSettings:
+        """The settings of a plain dict (a checkpoint's hyper-parameters). A removed setting's
+        key (``RETIRED``) is dropped: a run trained with it is over, and its checkpoint still
+        loads; any other unknown key is a ``RecipeError`` naming it."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known - set(RETIRED))
+        if unknown:
+            raise RecipeError(f"RecipeSettings: unknown key(s) {unknown}; known: {sorted(known)}")
+        return cls(**{key: value for key, value in data.items() if key in known})

@@ -95,7 +95,7 @@ class KVGateModule(TrainingObjective, L.LightningModule):
             gate: Attention-Gate settings (paper symbols); ignored when ``train='lora'``.
             lora: LoRA rank/alpha/dropout/targets; ignored when ``train='gates'``.
             optim: AdamW learning rates and the warm-up + cosine schedule.
-            recipe: small-compute aids (distillation, beta schedule, warm start); the
+            recipe: small-compute aids (distillation, beta schedule, oracle labels); the
                 defaults are the paper's plain objective.
             dtype: dtype of the frozen base weights (gates and LoRA always train in fp32).
             quantize: load the base 4-bit or 8-bit through bitsandbytes (CUDA only).
@@ -244,18 +244,7 @@ class KVGateModule(TrainingObjective, L.LightningModule):
         return out.logits
 
     # --------------------------------------------------------------- training
-    def _warmstart_step(self, batch: dict[str, Tensor]) -> Tensor:
-        """Gates learn a heuristic's keep masks (class-balanced BCE) before the real objective."""
-        loss, stats = self.warmstart_objective(batch)
-        bsz = batch["input_ids"].shape[0]
-        self.log("train/warmstart_bce", loss, prog_bar=True, batch_size=bsz)
-        self.log("train/warmstart_balanced_acc", stats["balanced_accuracy"], batch_size=bsz)
-        return loss
-
     def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
-        r = self.recipe_cfg
-        if self.gated and self.global_step < r.warmstart_steps:
-            return self._warmstart_step(batch)
         if self.gated and self.gate_cfg.prefill == "full" and batch.get("prompt_mask") is None:
             # a fully attended input with no continuation reads no gated entry: nothing to learn
             raise TrainingConfigError(

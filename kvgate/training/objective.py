@@ -4,8 +4,7 @@ Loss = ``recipe.lm_weight`` x LM loss over the batch's ``labels`` (every token f
 tokens only for SFT) + ``recipe.distill_weight`` x the KL to the gates-open teacher + the
 eviction loss ``alpha * |mean(gate) - beta|``, with beta annealed by the recipe, + with oracle
 labels ``recipe.oracle_weight`` x the oracle loss (``kvgate.recipes.oracle``: the gates' scores
-against the base's KVzip scores, a gradient for the gates alone). Before that, a recipe may warm
-the gates up on a heuristic's keep masks (``warmstart_objective``). With neither the LM loss nor
+against the base's KVzip scores, a gradient for the gates alone). With neither the LM loss nor
 the distillation on, a gates-only step runs its forward without autograd outside the gates
 (``gates_only_step``).
 
@@ -28,14 +27,7 @@ from kvgate.gate import (
     recorded_scores,
 )
 from kvgate.gate.prefix import continuation_positions, encoded_prompt, split_point
-from kvgate.policies import Budget, get_policy
-from kvgate.recipes import (
-    RetentionSchedule,
-    distillation_loss,
-    heuristic_labels,
-    teacher_logits,
-    warmstart_loss,
-)
+from kvgate.recipes import RetentionSchedule, distillation_loss, teacher_logits
 from kvgate.recipes.oracle import oracle_loss
 from kvgate.training.errors import TrainingConfigError
 
@@ -68,12 +60,12 @@ class TrainingObjective:
     fills ``last_flags``/``last_counted`` when ``capture_flags`` asks for them)."""
 
     def current_beta(self) -> float:
-        """Target retention now: annealed from ``recipe.beta_start`` after the warm start."""
+        """Target retention now: annealed from ``recipe.beta_start`` to ``gate.beta``."""
         r = self.recipe_cfg
         if r.beta_start is None:
             return self.gate_cfg.beta
         schedule = RetentionSchedule(r.beta_start, self.gate_cfg.beta, r.beta_steps, r.beta_schedule)
-        return schedule(max(0, self.global_step - r.warmstart_steps))
+        return schedule(self.global_step)
 
     def gate_terms(self, batch: dict[str, Tensor]) -> tuple[Tensor, dict[str, Tensor]]:
         """Eviction loss and retention statistics of the forward that just ran."""
@@ -86,15 +78,6 @@ class TrainingObjective:
             self.capture_flags = False
         clear_records(self.model)  # the records hold the graph of this forward
         return loss, stats
-
-    def warmstart_objective(self, batch: dict[str, Tensor]) -> tuple[Tensor, dict[str, float]]:
-        """Class-balanced BCE of the gates against a heuristic's keep masks (the warm start)."""
-        r = self.recipe_cfg
-        keep = r.warmstart_keep if r.warmstart_keep is not None else max(self.gate_cfg.beta, 1e-3)
-        ids, mask = batch["input_ids"], batch["attention_mask"]
-        labels = heuristic_labels(self.model, get_policy(r.warmstart_policy), Budget(ratio=keep),
-                                  ids, mask)
-        return warmstart_loss(self.model, labels, ids, mask)
 
     def prompt_split(self, batch: dict[str, Tensor]) -> int | None:
         """The prompt length when this batch trains in two passes (``kvgate.gate.prefix``):

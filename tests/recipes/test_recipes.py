@@ -1,14 +1,12 @@
-"""Small-compute recipes: distillation, retention schedule, warm start, protected tokens."""
+"""Small-compute recipes: distillation, retention schedule, protected tokens, the settings."""
 
 import pytest
 import torch
 
 import kvgate
 from kvgate.gate import GateConfig, gate_modules, last_flags, retention_stats
-from kvgate.policies import get_policy
-from kvgate.policies.base import Budget
-from kvgate.recipes import RetentionSchedule, distillation_loss, heuristic_labels, teacher_logits
-from kvgate.recipes.warmstart import warmstart_loss
+from kvgate.recipes import RetentionSchedule, distillation_loss, teacher_logits
+from kvgate.recipes.settings import RETIRED, RecipeError, RecipeSettings
 
 
 def test_kl_is_zero_when_gates_all_open(tiny_llama):
@@ -74,24 +72,13 @@ def test_protected_tokens_never_evicted(tiny_mistral):
     assert retention_stats(tiny_mistral)["retention"].item() > 0
 
 
-def test_warm_start_moves_gates_toward_heuristic_masks(tiny_llama):
-    torch.manual_seed(0)
-    kvgate.patch(tiny_llama, GateConfig(gamma=0.0, tau=0.5, beta=0.5))
-    for p in tiny_llama.parameters():
-        p.requires_grad_(False)
-    params = [p for g in gate_modules(tiny_llama) for p in g.parameters()]
-    for p in params:
-        p.requires_grad_(True)
-    x = torch.randint(0, 128, (4, 32), generator=torch.Generator().manual_seed(2))
-    labels = heuristic_labels(tiny_llama, get_policy("h2o"), Budget(ratio=0.5), x)
-    assert set(labels) == {0, 1} and labels[0].shape == (4, 2, 32)
-    assert labels[0].float().mean().item() == pytest.approx(0.5, abs=0.05)
-    opt = torch.optim.Adam(params, lr=1e-2)
-    _, before = warmstart_loss(tiny_llama, labels, x)
-    for _ in range(60):
-        loss, stats = warmstart_loss(tiny_llama, labels, x)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-    assert stats["balanced_accuracy"] > before["balanced_accuracy"] + 0.1
-    assert stats["balanced_accuracy"] > 0.75
+def test_a_checkpoint_trained_with_a_removed_setting_still_loads_its_recipe():
+    """A run's hyper-parameters keep every recipe key it had; the warm start's are dropped
+    (the run is over: its record loads), any other unknown key is refused naming it."""
+    saved = {"lm_weight": 0.0, "distill_weight": 1.0, "warmstart_steps": 30,
+             "warmstart_policy": "h2o", "warmstart_keep": 0.45}
+    assert set(RETIRED) == {"warmstart_steps", "warmstart_policy", "warmstart_keep"}
+    assert RecipeSettings.from_dict(saved) == RecipeSettings(lm_weight=0.0, distill_weight=1.0)
+    assert not hasattr(RecipeSettings(), "warmstart_steps")
+    with pytest.raises(RecipeError, match=r"unknown key\(s\) \['warm_start'\]"):
+        RecipeSettings.from_dict({"warm_start": 3})

@@ -230,11 +230,10 @@ def test_gates_of_ungated_layers_are_frozen(base_dir):
     assert all(p.requires_grad for p in gates[1].parameters())
 
 
-def test_recipe_warm_start_then_distillation_with_annealed_beta(base_dir, tmp_path):
+def test_recipe_distillation_with_beta_annealed_from_the_first_step(base_dir, tmp_path):
     from kvgate.recipes.settings import RecipeError, RecipeSettings
 
-    recipe = RecipeSettings(lm_weight=0.0, distill_weight=1.0, beta_start=1.0, beta_steps=4,
-                            warmstart_steps=2, warmstart_policy="h2o", warmstart_keep=0.5)
+    recipe = RecipeSettings(lm_weight=0.0, distill_weight=1.0, beta_start=1.0, beta_steps=4)
     module = KVGateModule(base_model=base_dir, train="gates", image_every_n_steps=0,
                           gate=GateConfig(gamma=0.0, beta=0.3), recipe=recipe)
     data = SyntheticCPT(n_docs=40, seq_len=32, batch_size=4, val_fraction=0.0)
@@ -245,16 +244,12 @@ def test_recipe_warm_start_then_distillation_with_annealed_beta(base_dir, tmp_pa
             logged.append((trainer.global_step, set(trainer.callback_metrics),
                            pl_module.current_beta()))
 
-    trainer(tmp_path, max_steps=6, callbacks=[Track()]).fit(module, data)
-    first = logged[0][1]
-    assert "train/warmstart_bce" in first and "train/distill_kl" not in first
-    assert "train/distill_kl" in logged[-1][1] and "train/beta" in logged[-1][1]
-    # global_step after the last batch is 6: 4 steps past the warm start -> beta reached 0.3
+    trainer(tmp_path, max_steps=5, callbacks=[Track()]).fit(module, data)
+    assert all("train/distill_kl" in metrics and "train/beta" in metrics
+               for _, metrics, _ in logged)
     betas = {step: beta for step, _, beta in logged}
-    assert betas[3] == pytest.approx(1.0 - 0.7 * 0.25)  # 1 step into the 4-step anneal
-    assert betas[6] == pytest.approx(0.3)
-    with pytest.raises(RecipeError, match="warmstart_policy"):
-        RecipeSettings(warmstart_steps=1, warmstart_policy="attention_gate")
+    assert betas[1] == pytest.approx(1.0 - 0.7 * 0.25)  # 1 step into the 4-step anneal
+    assert betas[4] == pytest.approx(0.3) and betas[5] == pytest.approx(0.3)
     with pytest.raises(RecipeError, match="distill_teacher"):
         RecipeSettings(distill_teacher="frozen")
 
