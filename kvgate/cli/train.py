@@ -40,6 +40,11 @@ last``, or a new ``--run_dir``); ``--overwrite`` deletes them and starts at step
 refusing its set-up (too few batches for ``val_check_interval``) is one line too; a run refused
 before its first step leaves no folder of its own.
 
+Progress is one display on stderr (``kvgate.training.steps``): optimiser steps done of the run's,
+time left and the logged loss, a bar on a terminal and a line a step (at most one every few
+seconds) elsewhere, in place of Lightning's bar; ``--quiet`` shows none (a config's
+``trainer.enable_progress_bar: false`` neither).
+
 SIGTERM or SIGINT (Ctrl-C) stops the run at the end of the current step, writes
 ``CHECKPOINTS/stopped.ckpt``, prints ``stopped at step N; resume with --ckpt_path last`` and
 exits 143 / 130 (``kvgate.training.stop``); a second Ctrl-C interrupts at once.
@@ -66,11 +71,13 @@ from kvgate.cli.common import find_cause, first_line
 from kvgate.cli.retired import retire_settings
 from kvgate.errors import KVGateError
 from kvgate.files import check_output_dir
+from kvgate.progress import silenced
 from kvgate.training import KVGateDataModule, KVGateModule, TrainingConfigError
 from kvgate.training.errors import launch_rank, note
 from kvgate.training.integrity import resume_path
 from kvgate.training.runlock import RunLock
 from kvgate.training.start import check_fresh_start, check_resume_fits, remove_earlier_checkpoints
+from kvgate.training.steps import use_step_progress
 from kvgate.training.stop import GracefulStop, SIGTERMException
 from kvgate.training.strategies import CPUDeepSpeedStrategy
 
@@ -289,8 +296,9 @@ def main(argv: list[str] | None = None, prog: str = "train.py") -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     argv_given = list(argv)
     # ours, not config keys: taken out before LightningCLI parses
-    debug, overwrite = "--debug" in argv, "--overwrite" in argv
-    argv = resolve_config_args([a for a in argv if a not in ("--debug", "--overwrite")])
+    debug, overwrite, quiet = "--debug" in argv, "--overwrite" in argv, "--quiet" in argv
+    argv = resolve_config_args([a for a in argv if a not in ("--debug", "--overwrite",
+                                                             "--quiet")])
     warnings.filterwarnings("ignore", message="LightningCLI's args parameter")
     cli = None
     created = None
@@ -310,9 +318,11 @@ def main(argv: list[str] | None = None, prog: str = "train.py") -> int:
                 earlier = check_fresh_start(cli.trainer, overwrite)
             remove_earlier_checkpoints(earlier)  # every check passed: --overwrite acts now
             cli.trainer.callbacks.append(stop)
+            use_step_progress(cli.trainer, quiet)
             stop.install(cli.trainer)
             try:
-                _fit(cli, ckpt_path)
+                with silenced(quiet):  # a first load's GGUF conversion too
+                    _fit(cli, ckpt_path)
             finally:
                 stop.uninstall()
     except SIGTERMException:  # a SystemExit of status 0: a stop must not read as success
