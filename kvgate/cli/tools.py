@@ -19,8 +19,8 @@ def add_prepare_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentPars
     p.add_argument("aliases", nargs="*", metavar="ALIAS", default=[DEFAULT_MODEL],
                    help=f"embedded model alias (default {DEFAULT_MODEL})")
     p.add_argument("--quiet", action="store_true",
-                   help="no progress of a conversion on stderr (a bar on a terminal, else a "
-                        "line a step)")
+                   help="no progress of a conversion on stderr (a bar on a terminal, else "
+                        "plain lines)")
     p.add_argument("--debug", action="store_true", help="show tracebacks")
     p.set_defaults(run=run_prepare)
     return p
@@ -61,7 +61,8 @@ def add_data_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     o.add_argument("--num-nodes", type=int, default=1, metavar="N",
                    help="nodes of a multi-node run (Lightning's DDP environment); default 1")
     o.add_argument("--quiet", action="store_true",
-                   help="no progress on stderr (a bar on a terminal, else a line a shard)")
+                   help="no progress on stderr (a bar on a terminal, else a line a shard, "
+                        "at most one every few seconds)")
     o.add_argument("--debug", action="store_true", help="show tracebacks")
     o.set_defaults(run=run_oracle)
     return p

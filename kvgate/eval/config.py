@@ -192,7 +192,7 @@ class EvalConfig:
     dtype: str = opt("float32", "model weights' dtype")
     device: str = opt("cpu", "torch device")
     progress: bool = opt(True, "no progress on stderr (a bar on a terminal, else a line every "
-                         "few seconds); --quiet is the same", also=("--quiet",))
+                         "few seconds)", also=("--quiet",))
 
     def __post_init__(self) -> None:
         if not str(self.out).strip():
