@@ -4,6 +4,7 @@
     kvgate infer --model smollm2-135m --policy snapkv --budget 0.5 --prompt "Hello"
     kvgate eval mc --model smollm2-135m --tasks rte,copa --budgets 0.5 --out out/x
     kvgate export runs/cpt_demo/checkpoints/last.ckpt out/gated
+    kvgate demo                        # the main job's gate against the heuristics on one document
     kvgate prepare smollm2-135m        # one-time conversion of an embedded GGUF model
     kvgate data                        # build the CPT corpus once and print its mix
     kvgate data oracle --config cpt_oracle   # the base's KVzip labels of a config's blocks
@@ -43,7 +44,7 @@ __all__ = ["EXIT_INTERRUPTED", "EXIT_USAGE", "build_parser", "find_cause", "firs
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from kvgate.cli import evaluate, export, infer, tools
+    from kvgate.cli import demo, evaluate, export, infer, tools
     from kvgate.eval.options import plain
 
     p = argparse.ArgumentParser(prog="kvgate", description=plain(__doc__),
@@ -56,6 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
     infer.add_parser(sub)
     evaluate.add_parser(sub)
     export.add_parser(sub)
+    demo.add_parser(sub)
     tools.add_prepare_parser(sub)
     tools.add_data_parser(sub)
     return p
