@@ -16,6 +16,9 @@ export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 TASKS7=piqa,arc_easy,arc_challenge,rte,copa,boolq,hellaswag
 R=experiments/results   # every evaluation writes a folder here
 C=experiments/configs   # the variant configs, layered on cpt_recipe
+# kvgate with the research policies of experiments/policies registered (gate_hybrid, which
+# tables of docs/RESULTS.md were measured with); kvgate's own command line otherwise
+kvgate() { python experiments/research_cli.py "$@"; }
 # the 128 held-out 256 + 256-token windows every 256-token gate and heuristic is scored on
 WIN256=(--docs 2000 --context 256 --continuation 256 --windows 128 --no-progress)
 

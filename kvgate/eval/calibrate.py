@@ -31,7 +31,7 @@ class CalibrateConfig(EvalConfig):
     """A gate's threshold per context length for target eviction ratios (no scoring)."""
 
     policies: str | list[str] = opt("attention_gate", "comma-separated learned-gate policies "
-                                    "(attention_gate, local_gate, gate_hybrid; LABEL=NAME too)")
+                                    "(attention_gate, local_gate; LABEL=NAME too)")
     evict: str | list[float] = opt("0.25,0.5,0.75", "target shares of context entries evicted, "
                                    "each in (0, 1)")
     lengths: str | list[int] = opt("1024,2048,4096", "context lengths in tokens")

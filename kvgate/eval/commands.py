@@ -88,7 +88,7 @@ def load_model(cfg: EvalConfig) -> Loaded:
 
 
 def needs_gate(policy: Policy) -> bool:
-    """A learned-gate policy (``attention_gate``, the hybrids built on it, ``local_gate``): it
+    """A learned-gate policy (``attention_gate`` or one built on it, ``local_gate``): it
     runs only on a gated model."""
     from kvgate.policies.attention_gate import AttentionGatePolicy
     from kvgate.policies.local_gate import LocalGatePolicy

@@ -103,7 +103,7 @@ def with_tau(policy: Policy, tau: float) -> Policy:
         else set()
     if "tau" not in fields:
         raise PolicyError(f"policy {policy.name} has no threshold (tau) to calibrate: only "
-                          "learned gates do (attention_gate, local_gate, gate_hybrid)")
+                          "learned gates do (attention_gate, local_gate)")
     return dataclasses.replace(policy, tau=tau)
 
 

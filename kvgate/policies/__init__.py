@@ -2,7 +2,8 @@
 extended by ``DecodeEvicting``, ``RowScoring``, ``StreamingPrefill``, ``EncodeMasking`` and
 ``PassScoring``).
 
-``get_policy("snapkv", window=32)`` builds one by name; ``list_policies()`` lists the names.
+``get_policy("snapkv", window=32)`` builds one by name; ``list_policies()`` lists the names;
+``register_policy(name, cls)`` adds one from outside the package (``kvgate.policies.registry``).
 """
 
 from kvgate.policies.adakv import AdaKV
@@ -21,7 +22,6 @@ from kvgate.policies.contract import (
     StreamingPrefill,
 )
 from kvgate.policies.full import Full
-from kvgate.policies.gate_hybrid import GateHybrid
 from kvgate.policies.h2o import H2O
 from kvgate.policies.knorm import KNorm
 from kvgate.policies.kvzip import KVzip
@@ -29,7 +29,13 @@ from kvgate.policies.local_gate import LocalGatePolicy
 from kvgate.policies.nacl import NaCl
 from kvgate.policies.pyramidkv import PyramidKV
 from kvgate.policies.random_keep import RandomKeep
-from kvgate.policies.registry import POLICIES, get_policy, list_policies, policy_class
+from kvgate.policies.registry import (
+    POLICIES,
+    get_policy,
+    list_policies,
+    policy_class,
+    register_policy,
+)
 from kvgate.policies.roco import RoCo
 from kvgate.policies.snapkv import SnapKV
 from kvgate.policies.streaming import Streaming
@@ -47,7 +53,6 @@ __all__ = [
     "DecodeEvicting",
     "EncodeMasking",
     "Full",
-    "GateHybrid",
     "KNorm",
     "KVzip",
     "LayerPrompt",
@@ -68,4 +73,5 @@ __all__ = [
     "get_policy",
     "list_policies",
     "policy_class",
+    "register_policy",
 ]

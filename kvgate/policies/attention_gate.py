@@ -7,7 +7,7 @@ kept; it is trained (continual pre-training or fine-tuning) together with an evi
 the model learns which entries it can do without.
 
 The budget does not enter: the eviction ratio is whatever the gate learned, reported as
-%Evict (``gate_hybrid`` runs a gate at a budget). The flags are applied *inside* the prefill as
+%Evict. The flags are applied *inside* the prefill as
 the paper's eq. 5 (later prompt rows see only kept entries), then the cache is compacted to the
 kept entries. Decode tokens are not gated. Every gate kind (``GateConfig.kind``) runs here;
 a local kind (mlp, linear) can also evict while decoding: ``local_gate``.

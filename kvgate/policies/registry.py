@@ -1,6 +1,10 @@
 """Policy names -> classes, written out by hand (no decorator magic), plus option checking.
 
-Adding a policy: one file defining a ``Policy`` subclass, one line in ``POLICIES``, one test.
+Adding a policy to kvgate: one file defining a ``Policy`` subclass, one line in ``POLICIES``,
+one test. Code outside the package (a research policy, e.g. ``experiments/policies/``) adds
+one with ``register_policy(name, cls)`` before it builds policies by name: from then on
+``get_policy``, ``list_policies`` (so ``--policies all``) and every command's ``--policies``
+know it, in that process only.
 """
 
 from __future__ import annotations
@@ -13,7 +17,6 @@ from kvgate.policies.ahakv import AhaKV
 from kvgate.policies.attention_gate import AttentionGatePolicy
 from kvgate.policies.base import Policy, PolicyError, make_policy, policy_options
 from kvgate.policies.full import Full
-from kvgate.policies.gate_hybrid import GateHybrid
 from kvgate.policies.h2o import H2O
 from kvgate.policies.knorm import KNorm
 from kvgate.policies.kvzip import KVzip
@@ -28,7 +31,7 @@ from kvgate.policies.tova import TOVA
 from kvgate.policies.window import Window
 
 __all__ = ["POLICIES", "gate_policy_name", "get_policy", "list_policies", "policy_class",
-           "policy_options", "policy_spec"]
+           "policy_options", "policy_spec", "register_policy"]
 
 POLICIES: dict[str, type[Policy]] = {
     "full": Full,
@@ -46,9 +49,27 @@ POLICIES: dict[str, type[Policy]] = {
     "knorm": KNorm,
     "kvzip": KVzip,
     "attention_gate": AttentionGatePolicy,
-    "gate_hybrid": GateHybrid,
     "local_gate": LocalGatePolicy,
 }
+
+
+def register_policy(name: str, cls: type[Policy]) -> None:
+    """Make ``cls`` a policy named ``name`` for ``get_policy`` and every command in this
+    process: the way code outside kvgate adds one (registering the same class again does
+    nothing). ``name`` must be new, a lower-case identifier (``LABEL=NAME`` and
+    ``NAME.option`` parse it) and the class's own ``name`` (stored results record that one);
+    a ``PolicyError`` names what is wrong otherwise."""
+    if not (isinstance(cls, type) and issubclass(cls, Policy)):
+        raise PolicyError(f"register_policy({name!r}): {cls!r} is not a Policy subclass")
+    if not (isinstance(name, str) and name.isidentifier() and name == name.lower()):
+        raise PolicyError(f"register_policy: the name {name!r} must be a lower-case identifier")
+    if getattr(cls, "name", None) != name:
+        raise PolicyError(f"register_policy({name!r}): {cls.__name__}.name is "
+                          f"{getattr(cls, 'name', None)!r}; the two must agree (results store "
+                          "the class's name)")
+    if POLICIES.get(name, cls) is not cls:
+        raise PolicyError(f"register_policy: {name!r} is taken by {POLICIES[name].__name__}")
+    POLICIES[name] = cls
 
 
 def list_policies() -> list[str]:

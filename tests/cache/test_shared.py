@@ -16,7 +16,7 @@ from kvgate.policies.contract import EncodeMasking, PassScoring, StreamingPrefil
 SMALL = {"snapkv": {"window": 4}, "pyramidkv": {"window": 4},
          "adakv": {"inner_options": {"window": 4}}, "ahakv": {"recent": 4},
          "h2o": {"recent": 0.5}}
-LEARNED = {"attention_gate", "gate_hybrid", "local_gate"}
+LEARNED = {"attention_gate", "local_gate"}
 RANDOMISED = {"nacl", "random"}  # draw per call: a second run is another draw
 # what evaluations share a prefill among: every test below checks such a policy's filled cache
 ONE_SHOT = [n for n in list_policies() if shares_prefill(get_policy(n, **SMALL.get(n, {})))]

@@ -5,6 +5,7 @@ import json
 import pytest
 import torch
 from eval_fakes import CharTokenizer
+from research_fixtures import research_policies  # noqa: F401 - gate_hybrid's tests
 
 import kvgate.eval.__main__ as cli
 import kvgate.eval.commands
@@ -241,8 +242,10 @@ def test_one_policy_under_two_labels_with_different_options():
         parse_policies("snapkv,snapkv=h2o", [])
 
 
+@pytest.mark.usefixtures("research_policies")
 def test_a_json_option_reaches_the_policy_as_a_mapping():
-    """select_options={"recent": 32} is parsed as JSON: the gate's H2O selector gets recent 32."""
+    """select_options={"recent": 32} is parsed as JSON: the gate's H2O selector gets recent 32
+    (gate_hybrid, the research policy of experiments/policies, registered as its CLI does)."""
     policies = parse_policies("sel=gate_hybrid", ["sel.select=h2o",
                                                       'sel.select_options={"recent": 32}'])
     assert policies["sel"].select_options == {"recent": 32}

@@ -5,6 +5,7 @@ import math
 import pytest
 import torch
 from eval_fakes import CharTokenizer, CountingFull, RecordingSnapKV, direct_loglik
+from research_fixtures import research_policies  # noqa: F401 - gate_hybrid's tests
 
 from kvgate.data.tasks import MCExample
 from kvgate.eval.errors import EvalError
@@ -172,9 +173,11 @@ def test_matched_budgets_pass_each_examples_ratio(tiny_llama, tmp_path):
     assert called == pytest.approx(sorted(ratios.values()))
 
 
+@pytest.mark.usefixtures("research_policies")
 def test_ranked_gate_runs_at_each_budget_beside_the_thresholded_one(tiny_llama, tmp_path):
-    """The thresholded gate runs once (label none); a ranked one (rank=true) once per budget,
-    evicting what the budget says, as a heuristic at the same budgets does."""
+    """The thresholded gate runs once (label none); a ranked one (rank=true: gate_hybrid, the
+    research policy of experiments/policies) once per budget, evicting what the budget says,
+    as a heuristic at the same budgets does."""
     torch.manual_seed(5)
     patch(tiny_llama, GateConfig(gamma=0.0))
     policies = {"gate": get_policy("attention_gate"),

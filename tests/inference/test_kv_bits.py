@@ -23,7 +23,7 @@ from kvgate.policies.contract import PassScoring, StreamingPrefill
 KV = {"kv_bits": 4, "kv_group": 8, "kv_residual": 4}
 PROMPTS = ["the cat sat on the mat and the dog lay by the door, quietly.",
            "alpha beta gamma delta epsilon"]
-GATES = {"attention_gate", "gate_hybrid", "local_gate"}
+GATES = {"attention_gate", "local_gate"}
 SMALL = {"snapkv": {"window": 4}, "pyramidkv": {"window": 4}, "ahakv": {"recent": 4},
          "adakv": {"inner_options": {"window": 4}}, "roco": {"block": 4}}
 

@@ -36,8 +36,8 @@ OPTIONS = {
     "ahakv": {"recent": 4, "kernel": 3},
     "knorm": {},
 }
-# need a gated model (tests/cache, test_gate_hybrid, tests/gate/test_kinds)
-LEARNED = {"attention_gate", "gate_hybrid", "local_gate"}
+# need a gated model (tests/cache, tests/gate/test_kinds, tests/research/test_gate_hybrid)
+LEARNED = {"attention_gate", "local_gate"}
 NAMES = [name for name in POLICIES if name not in LEARNED]
 DECODE = [name for name in NAMES if issubclass(POLICIES[name], DecodeEvicting)]
 
@@ -212,8 +212,36 @@ def test_spec_of_a_nested_policy_and_of_changed_options():
 
 
 def test_learned_policies_are_registered():
-    assert {"attention_gate", "gate_hybrid", "knorm"} <= set(list_policies())
+    assert {"attention_gate", "local_gate", "knorm"} <= set(list_policies())
     assert type(get_policy("Attention_Gate")).__name__ == "AttentionGatePolicy"
+    # the research hybrids live in experiments/policies, registered only where they are run
+    assert "gate_hybrid" not in list_policies()
+
+
+def test_outside_code_registers_a_policy_by_name_and_a_bad_one_is_refused(monkeypatch):
+    from kvgate.policies import registry
+    from kvgate.policies.knorm import KNorm
+
+    monkeypatch.setattr(registry, "POLICIES", dict(registry.POLICIES))
+
+    class Outside(KNorm):
+        name = "outside_knorm"
+
+    registry.register_policy("outside_knorm", Outside)
+    registry.register_policy("outside_knorm", Outside)  # again: nothing changes
+    assert "outside_knorm" in registry.list_policies()
+    assert isinstance(registry.get_policy("outside_knorm"), Outside)
+    for name, cls, says in [("knorm", Outside, "must agree"), ("Outside_Knorm", Outside,
+                            "lower-case identifier"), ("outside_knorm", int, "not a Policy"),
+                            ("snapkv", registry.POLICIES["knorm"], "must agree")]:
+        with pytest.raises(PolicyError, match=says):
+            registry.register_policy(name, cls)
+
+    class Taken(KNorm):
+        name = "outside_knorm"
+
+    with pytest.raises(PolicyError, match="'outside_knorm' is taken by Outside"):
+        registry.register_policy("outside_knorm", Taken)
 
 
 def test_declared_contracts():

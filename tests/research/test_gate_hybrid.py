@@ -1,19 +1,25 @@
-"""gate_hybrid: the learned gate ranked at a budget (``rank``), or its per-head counts filled by
-a heuristic's choice (``select``); with both switches off it is ``attention_gate``."""
+"""gate_hybrid (experiments/policies/gate_hybrid.py, a research policy outside the package): the
+learned gate ranked at a budget (``rank``), or its per-head counts filled by a heuristic's
+choice (``select``); with both switches off it is ``attention_gate``. Each test runs with it
+registered (``research_policies``), as experiments/research_cli.py registers it."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 from conftest import build, tiny_mistral_config
+from research_fixtures import research_policies  # noqa: F401 - the fixture every test uses
 
+from experiments.policies.gate_hybrid import GateHybrid
 from kvgate.cache import CompressedCache
 from kvgate.gate import GateConfig, patch, unpatch
 from kvgate.models import dispatch
-from kvgate.policies import GateHybrid, get_policy
+from kvgate.policies import get_policy
 from kvgate.policies.attention_gate import AttentionGatePolicy
 from kvgate.policies.base import Budget, PolicyError
 from kvgate.policies.registry import policy_options
+
+pytestmark = pytest.mark.usefixtures("research_policies")
 
 
 @pytest.fixture(scope="module")
@@ -75,12 +81,10 @@ def test_ranked_gate_keeps_the_budget_per_head_with_its_protected_tokens(model, 
         assert not kept[1, :, :7].any()  # padding
 
 
-@pytest.mark.parametrize("previous_layer", [False, True])
-def test_ranked_and_thresholded_gates_keep_nested_sets_of_the_same_scores(model, previous_layer):
+def test_ranked_and_thresholded_gates_keep_nested_sets_of_the_same_scores(model):
     """The ranking reads the scores the threshold reads: in every head the ranked keep set
-    and the thresholded one are nested (both are top sets of one score), and budgets nest;
-    also for gates that read the previous layer's input."""
-    config = GateConfig(gamma=0.0, sinks=1, previous_layer=previous_layer)
+    and the thresholded one are nested (both are top sets of one score), and budgets nest."""
+    config = GateConfig(gamma=0.0, sinks=1)
     flags, _, _ = _gated_prefill(model, config, Budget(ratio=1.0), prefill="full")
     low, _, _ = _gated_prefill(model, config, Budget(ratio=0.3), rank=True, prefill="full")
     high, _, _ = _gated_prefill(model, config, Budget(ratio=0.6), rank=True, prefill="full")
@@ -157,7 +161,7 @@ def test_select_is_checked():
 
 @pytest.mark.parametrize("config", [
     GateConfig(gamma=0.0, sinks=2, recent=3), GateConfig(gamma=0.0, prefill="full", target="query"),
-    GateConfig(gamma=0.0, previous_layer=True),
+    GateConfig(gamma=0.0, ungated_layers=1),
 ])
 def test_defaults_are_the_attention_gate(model, config):
     """With rank and select off, gate_hybrid keeps exactly what attention_gate keeps, in every

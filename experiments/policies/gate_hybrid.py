@@ -1,5 +1,8 @@
 """Research hybrids of the learned gate and the heuristics: the gate at a budget, or the gate's
-per-head counts filled by a heuristic's choice.
+per-head counts filled by a heuristic's choice. Kept out of the package (issue #62): tables of
+docs/RESULTS.md were measured with it, so ``experiments/policies.register()`` adds it to
+kvgate's registry as ``gate_hybrid``, which ``experiments/research_cli.py`` (``kvgate`` with
+the research policies; what experiments/run_results.sh runs) does first.
 
 Paper: the gate of "In-context KV-Cache Eviction for LLMs via Attention-Gate", Zeng et al.
 2024, arXiv:2410.12876 (see ``attention_gate``); the hybrids are ours, made to measure apart
@@ -126,8 +129,7 @@ class GateHybrid(AttentionGatePolicy):
         # prompt=valid: at prefill the whole prompt is known (a prompt_bidirectional gate sees
         # all of it)
         scores, forced = gate_ranking(prompt.module, prompt.hidden, prompt.position_embeddings,
-                                      prompt.valid, prompt=prompt.valid,
-                                      previous_hidden=prompt.previous_hidden)
+                                      prompt.valid, prompt=prompt.valid)
         if scores is None:
             return keep_all(prompt)
         scores = by_kv_head(scores, prompt.key.shape[1], "amax")
