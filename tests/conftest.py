@@ -106,7 +106,8 @@ def patch_evicting(model, kind: str = "mlp", **config) -> None:
     import kvgate
     from kvgate.gate import GateConfig, gate_modules
 
-    kvgate.patch(model, GateConfig(kind=kind, hidden=16, gamma=0.0, **config))
+    width = {"hidden": 16} if kind == "mlp" else {}  # the linear kind has no inner width
+    kvgate.patch(model, GateConfig(kind=kind, gamma=0.0, **width, **config))
     torch.manual_seed(1)
     with torch.no_grad():
         for gate in gate_modules(model):

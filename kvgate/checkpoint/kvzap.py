@@ -82,8 +82,8 @@ def gate_config_of(config: dict[str, Any], root: Path) -> Any:
             return GateConfig.from_dict(stored)
         threshold = float((config.get("kvgate") or {}).get("threshold", DEFAULT_THRESHOLD))
         hidden = config.get("hidden_dim")
-        return GateConfig(kind="linear" if hidden is None else "mlp", hidden=hidden or 512,
-                          gamma=0.0, tau=1.0 / (1.0 + math.exp(-threshold)), alpha=0.0,
+        shape = {"kind": "linear"} if hidden is None else {"kind": "mlp", "hidden": hidden}
+        return GateConfig(**shape, gamma=0.0, tau=1.0 / (1.0 + math.exp(-threshold)), alpha=0.0,
                           beta=0.0, prefill="full")
     except (TypeError, ValueError) as err:
         raise CheckpointError(f"{root / CONFIG}: bad gate settings ({err})") from None
@@ -211,8 +211,6 @@ def kvzap_refusal(gate_config: Any) -> str | None:
                 "format holds scorers of one token's hidden state (kinds linear and mlp)")
     if gate_config.target != "kv":
         return "KVzap scores one entry per KV head; this gate scores query heads (target query)"
-    if gate_config.previous_layer:
-        return "this gate reads the previous layer's input (previous_layer); KVzap's read their own"
     if gate_config.ungated_layers:
         return "this gate leaves its first layers ungated (ungated_layers); KVzap gates every layer"
     return None

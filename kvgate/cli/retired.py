@@ -2,7 +2,8 @@
 
 A config written before a switch was removed (a recipe, or the ``config.yaml`` a run saved
 beside its logs) still loads when it asks for nothing the switch did: ``warmstart_steps: 0``
-and its two companions are dropped before the parser sees them. One that asks for the removed
+and its two companions, and the gate's ``previous_layer: false``, are dropped before the parser
+sees them. One that asks for the removed
 behaviour (``warmstart_steps: 30``, ``kernel: flex``) stops with one line naming the key and
 what replaced it, instead of the parser's "unexpected key" or a list of the kernels there are.
 The same holds for the flags (``--model.recipe.warmstart_steps 30``, ``--model.gate.kernel=flex``)
@@ -21,6 +22,8 @@ import yaml
 
 from kvgate.attention.kernels import RETIRED_KERNELS
 from kvgate.errors import KVGateError
+from kvgate.gate.config import RETIRED as RETIRED_GATE
+from kvgate.gate.config import retired_inert
 from kvgate.recipes.settings import RETIRED as RETIRED_RECIPE
 
 __all__ = ["RETIRED", "Retired", "RetiredSettingError", "retire_settings"]
@@ -58,6 +61,8 @@ RETIRED: tuple[Retired, ...] = (
     _recipe("warmstart_keep", lambda value: True),
     Retired(("model", "gate", "kernel"), lambda value: value not in RETIRED_KERNELS, False,
             lambda value: f"{value!r}: {RETIRED_KERNELS[value]}"),
+    Retired(("model", "gate", "previous_layer"), retired_inert, True,
+            lambda value: RETIRED_GATE["previous_layer"]),
 )
 
 

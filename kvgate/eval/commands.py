@@ -98,6 +98,7 @@ def needs_gate(policy: Policy) -> bool:
 
 def gate_refusal(policy: Policy, gates: list[Any]) -> str | None:
     """Why ``policy`` cannot run on a model carrying ``gates`` (its gate modules), or None."""
+    from kvgate.gate import GATES
     from kvgate.policies.local_gate import LocalGatePolicy
 
     if not needs_gate(policy):
@@ -105,7 +106,8 @@ def gate_refusal(policy: Policy, gates: list[Any]) -> str | None:
     if not gates:
         return f"policy {policy.name} needs a gated model: pass --checkpoint DIR"
     if isinstance(policy, LocalGatePolicy) and not all(g.local for g in gates):
-        return (f"policy {policy.name} needs a local gate kind (mlp, linear); the checkpoint's "
+        local = ", ".join(kind for kind, cls in GATES.items() if cls.local)
+        return (f"policy {policy.name} needs a local gate kind ({local}); the checkpoint's "
                 f"gates are kind {gates[0].kind!r}: use attention_gate")
     return None
 

@@ -202,8 +202,7 @@ def _rows(prompt: LayerPrompt, idx: Tensor) -> LayerPrompt:
 
     return replace(prompt, query=prompt.query[idx], key=prompt.key[idx],
                    value=prompt.value[idx], valid=prompt.valid[idx], hidden=pick(prompt.hidden),
-                   position_embeddings=pick(prompt.position_embeddings),
-                   previous_hidden=pick(prompt.previous_hidden), lse=pick(prompt.lse))
+                   position_embeddings=pick(prompt.position_embeddings), lse=pick(prompt.lse))
 
 
 class MaskedScoringCache(HandlerCache):
@@ -249,12 +248,11 @@ class MaskedScoringCache(HandlerCache):
         valid = seg[:, :c] == 0
         qc, kc, vc = query[:, :, :c], key[:, :, :c], value[:, :, :c]
         # the policy sees the context columns only, as a cache-mode prefill of the context
-        # would show them (the previous layer's input is cut to them by the gate itself)
-        previous = None if context is None else context.call(module.layer_idx - 1).hidden
+        # would show them
         prompt = LayerPrompt(module.layer_idx, self.num_layers, qc, kc, vc, valid, scaling,
                              None if hidden is None else hidden[:, :c], module,
                              None if position_embeddings is None
-                             else tuple(x[:, :c] for x in position_embeddings), previous)
+                             else tuple(x[:, :c] for x in position_embeddings))
         keep = keep_for_rows(self.policy, prompt, self.budgets)  # [B, H_kv, C]
         self.kept[:, module.layer_idx] = keep.sum((1, 2)).cpu()
         if self.record:

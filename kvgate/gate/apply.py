@@ -60,31 +60,28 @@ def gate_attention_mask(gate_mod: nn.Module, valid: Tensor, prompt: Tensor | Non
     next layer: every gated layer of a forward reads the same one."""
     if gate_mod.local:
         return None
-    mode = gate_mod.config.mode
+    mode = "prompt_bidirectional" if gate_mod.bidirectional else "causal"
     return memoised(memo, ("gate attend", mode),
                     lambda: gate_attend_mask(valid, prompt, mode, all_real))
 
 
 def compute_gate(module: nn.Module, hidden: Tensor, position_embeddings, valid: Tensor,
                  prompt: Tensor | None = None, tau: float | None = None,
-                 previous_hidden: Tensor | None = None, own_scores: bool = False,
-                 graph: bool = False, all_real: bool = False,
+                 own_scores: bool = False, graph: bool = False, all_real: bool = False,
                  memo: dict | None = None) -> GateRecord:
     """Straight-through keep flags of one layer: [B, H_gate, n], with sinks, padding and
-    (in prompt_bidirectional mode or with a full prefill) non-prompt tokens forced to 1.
-    ``tau`` overrides the gate's keep threshold. ``previous_hidden`` [B, n' >= n, D] is the
-    previous layer's input, which a ``previous_layer`` gate reads. ``own_scores``: the record
+    (with a gate attending over the whole prompt, or a full prefill) non-prompt tokens forced
+    to 1. ``tau`` overrides the gate's keep threshold. ``own_scores``: the record
     also keeps the raw scores, with a gradient that reaches this gate alone. ``graph``: the
     gate's computation records autograd even under ``torch.no_grad()`` (a forward whose
     only losses read the gates: ``kvgate.gate.patch.gate_graph_only``). ``all_real``: no token
     is padding (``valid`` all true), known without reading it back. ``memo``: the forward's
     memo of the mask ``valid`` and ``prompt`` come from (``gate_attention_mask``)."""
     gate_mod = module.kv_gate
-    counted = counted_tokens(gate_mod.config, valid, prompt)
+    counted = counted_tokens(gate_mod, valid, prompt)
     if module.layer_idx < gate_mod.config.ungated_layers:
         gate = torch.ones(valid.shape[0], gate_mod.out_heads, valid.shape[1], device=valid.device)
         return GateRecord(gate, counted)
-    hidden = gate_input(module, hidden, previous_hidden)
     attend = gate_attention_mask(gate_mod, valid, prompt, all_real, memo)
     cfg = gate_mod.config
     forced = forced_tokens(cfg, valid, counted, prompt)
@@ -103,37 +100,23 @@ def compute_gate(module: nn.Module, hidden: Tensor, position_embeddings, valid: 
 
 
 def gate_ranking(module: nn.Module, hidden: Tensor, position_embeddings, valid: Tensor,
-                 prompt: Tensor | None = None, previous_hidden: Tensor | None = None,
-                 ) -> tuple[Tensor | None, Tensor]:
+                 prompt: Tensor | None = None) -> tuple[Tensor | None, Tensor]:
     """What ranking a layer's tokens by its gate needs (inference, no threshold): the raw scores
     [B, H_gate, n] (higher = keep; None in an ungated layer, which keeps everything) and the
     tokens the gate always keeps [B, n] (sinks, the one-shot recent tokens, non-prompt)."""
     gate_mod = module.kv_gate
     if module.layer_idx < gate_mod.config.ungated_layers:
         return None, valid
-    scores = gate_mod.scores(gate_input(module, hidden, previous_hidden), position_embeddings,
+    scores = gate_mod.scores(hidden, position_embeddings,
                              gate_attention_mask(gate_mod, valid, prompt))
-    counted = counted_tokens(gate_mod.config, valid, prompt)
+    counted = counted_tokens(gate_mod, valid, prompt)
     return scores, forced_tokens(gate_mod.config, valid, counted, prompt)
 
 
-def gate_input(module: nn.Module, hidden: Tensor, previous_hidden: Tensor | None) -> Tensor:
-    """The hidden states the gate reads: the layer's own, or (``previous_layer``) the previous
-    layer's input over the same positions (its first ``n``: a policy may see a prefix of the
-    forward, as the masked evaluation's context columns)."""
-    if not module.kv_gate.config.previous_layer or module.layer_idx == 0:
-        return hidden
-    prev = previous_hidden
-    b, n = hidden.shape[:2]
-    if prev is not None and prev.shape[0] == b and prev.shape[1] >= n:
-        return prev[:, :n]
-    return hidden
-
-
-def counted_tokens(cfg: GateSettings, valid: Tensor, prompt: Tensor | None) -> Tensor:
+def counted_tokens(gate_mod: nn.Module, valid: Tensor, prompt: Tensor | None) -> Tensor:
     """[B, n] bool: the tokens whose flags count (padding and, when the gate acts on the
     prompt alone, non-prompt tokens excluded)."""
-    if prompt is not None and (cfg.mode == "prompt_bidirectional" or cfg.prefill == "full"):
+    if prompt is not None and (gate_mod.bidirectional or gate_mod.config.prefill == "full"):
         return valid & prompt  # only prompt tokens can be evicted
     return valid.clone()
 

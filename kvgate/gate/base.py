@@ -3,6 +3,8 @@ opens it, and the route into the gated attention (kvgate.models.dispatch)."""
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import torch
 from torch import Tensor, nn
 
@@ -10,7 +12,7 @@ from kvgate.attention.gated import gated_attention
 from kvgate.attention.masks import memoised, new_token_validity
 from kvgate.gate.apply import compute_gate, straight_through
 from kvgate.gate.prefix import prefix_attention
-from kvgate.gate.settings import GateSettings
+from kvgate.gate.settings import GateSettings, KindSettings, read_settings
 from kvgate.models.dispatch import ForwardContext, GatedRoute, Router
 
 
@@ -34,24 +36,35 @@ class Gate(GatedRoute):
     kind reads the tokens before it and scores the prompt only.
 
     Every kind takes ``(hidden_size, out_heads, config, head_dim)`` so that ``patch`` builds
-    any of them alike (``kvgate.gate.kinds``).
+    any of them alike (``kvgate.gate.kinds``). ``config`` is the flat ``GateConfig`` (the shared
+    settings: ``self.config.tau``, ...); the kind's own fields are read into its
+    ``settings_class`` as ``self.settings``.
     """
 
     kind: str = ""
     local: bool = False
+    settings_class: ClassVar[type[KindSettings]] = KindSettings
 
     @classmethod
-    def uses_rope(cls, config: GateSettings) -> bool:
-        """Whether a gate of this kind under ``config`` rotates its own queries and keys with
-        the model's rotary tables (so it needs them, and at most their width)."""
-        return False
+    def rotary_dims(cls, settings: KindSettings, head_dim: int) -> int:
+        """How many of the model's rotary dimensions a gate of this kind with ``settings``
+        rotates its own queries and keys with, on a model of ``head_dim`` (0: none). ``patch``
+        checks them against the model's; a policy then asks for the forward's tables."""
+        return 0
 
     def __init__(self, config: GateSettings, out_heads: int) -> None:
         super().__init__()
         self.config = config
+        self.settings = read_settings(self.settings_class, config)
         self.out_heads = out_heads
         # Off while the gate should not act (gates-open teacher, LoRA-only training, decode).
         self.active = True
+
+    @property
+    def bidirectional(self) -> bool:
+        """Whether the gate's own attention sees the whole prompt, so that only the prompt's
+        flags count (a local kind attends to nothing: never)."""
+        return False
 
     def scores(self, hidden: Tensor, position_embeddings=None,
                attend: Tensor | None = None) -> Tensor:
@@ -100,10 +113,8 @@ def gated_layer_attention(module: nn.Module, query: Tensor, key: Tensor, value: 
                      lambda: new_token_validity(attention_mask, b, n, query.device))
     call = context.call(module.layer_idx)
     record = compute_gate(module, call.hidden, call.position_embeddings, valid,
-                          router.prompt_mask,
-                          previous_hidden=context.call(module.layer_idx - 1).hidden,
-                          own_scores=router.gate_scores, graph=router.gate_graph,
-                          all_real=attention_mask is None, memo=memo)
+                          router.prompt_mask, own_scores=router.gate_scores,
+                          graph=router.gate_graph, all_real=attention_mask is None, memo=memo)
     router.records[module.layer_idx] = record
     prompt = None
     if module.kv_gate.config.prefill == "full":

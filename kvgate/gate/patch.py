@@ -49,10 +49,10 @@ def patch(model: nn.Module, config: GateConfig | None = None) -> nn.Module:
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     out_heads = cfg.num_key_value_heads if config.target == "kv" else cfg.num_attention_heads
     rotary = int(head_dim * (getattr(cfg, "partial_rotary_factor", None) or 1.0))
-    gate_dim = config.head_dim or head_dim
-    if gate_class(config.kind).uses_rope(config) and gate_dim > rotary:
+    needed = gate_class(config.kind).rotary_dims(config.kind_settings(), head_dim)
+    if needed > rotary:
         # a rotary gate reuses the model's position tables, which have only `rotary` dims
-        raise ConfigError(f"GateConfig.head_dim: {gate_dim} exceeds this model's rotary "
+        raise ConfigError(f"GateConfig.head_dim: {needed} exceeds this model's rotary "
                           f"dimension {rotary}; use head_dim <= {rotary} or rope: false")
     dispatch.install(model)
     for module in dispatch.attention_modules(model):

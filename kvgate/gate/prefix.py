@@ -96,11 +96,9 @@ def prefix_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tenso
     prompt = torch.zeros(b, p + c, dtype=torch.bool, device=device)
     prompt[:, :p] = True
     if gate_mod.active:
-        previous = slots.get(module.layer_idx - 1)
         on_prompt = prompt[:, :p]  # all true: nothing to read back (all_real)
         record = compute_gate(module, slot.hidden, slot.position_embeddings, on_prompt,
-                              on_prompt, previous_hidden=None if previous is None else previous.hidden,
-                              own_scores=context.router.gate_scores,
+                              on_prompt, own_scores=context.router.gate_scores,
                               graph=context.router.gate_graph, all_real=True)
         context.router.records[module.layer_idx] = record
         flags = torch.cat([record.gate, record.gate.new_ones(b, record.gate.shape[1], c)], -1)

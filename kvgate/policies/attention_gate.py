@@ -40,7 +40,6 @@ from torch import Tensor
 
 from kvgate.gate.apply import compute_gate
 from kvgate.gate.config import GatePrefill
-from kvgate.gate.kinds import gate_class
 from kvgate.policies.base import (
     Budget,
     EncodeMasking,
@@ -77,8 +76,7 @@ class AttentionGatePolicy(EncodeMasking):
         group, since a KV entry must stay if any query head that reads it keeps it)."""
         self.gate_config(prompt)
         record = compute_gate(prompt.module, prompt.hidden, prompt.position_embeddings,
-                              prompt.valid, prompt=prompt.valid, tau=self.tau,
-                              previous_hidden=prompt.previous_hidden)
+                              prompt.valid, prompt=prompt.valid, tau=self.tau)
         flags = by_kv_head(record.gate.detach() > 0.5, prompt.key.shape[1], "any")
         return (flags | self.protected(prompt)) & prompt.valid[:, None, :]
 
@@ -118,11 +116,12 @@ def checked_gate_config(policy: str, prompt: LayerPrompt) -> Any:
                           "checkpoint (--checkpoint DIR) or call kvgate.patch first")
     if prompt.hidden is None:
         raise PolicyError(f"policy {policy} needs the layer's hidden states")
-    config = module.kv_gate.config
-    if gate_class(config.kind).uses_rope(config) and prompt.position_embeddings is None:
+    gate = module.kv_gate
+    if type(gate).rotary_dims(gate.settings, prompt.query.shape[-1]) and \
+            prompt.position_embeddings is None:
         raise PolicyError(f"policy {policy} needs the forward's rotary tables "
                           "(LayerPrompt.position_embeddings): the gate rotates its q/k")
-    return config
+    return gate.config
 
 
 def by_kv_head(x: Tensor, hk: int, reduce: str) -> Tensor:

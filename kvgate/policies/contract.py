@@ -121,8 +121,9 @@ class LayerPrompt:
     # the rotary (cos, sin) of this forward, each [B, n, d_rot] (the learned gate rotates its
     # own q/k with them)
     position_embeddings: Any = None
-    # [B, n', D] n' >= n: the previous decoder layer's normalised input in this forward (a
-    # previous_layer gate reads its first n positions)
+    # [B, n', D] n' >= n: the previous decoder layer's normalised input in this forward. No
+    # policy reads it since the previous_layer gate went (issue #62); kept while
+    # kvgate/cache/compressed.py still passes it (by position, before ``lse``)
     previous_hidden: Tensor | None = None
     # [B, H, n] fp32: each prompt row's log-sum-exp of its causal attention logits, when the
     # prefill's fused kernel gave it (unpadded CPU prefills); lets a policy that sums attention

@@ -34,7 +34,7 @@ from typing import Any, get_args
 import torch
 from torch import Tensor
 
-from kvgate.gate.apply import compute_gate, gate_input, gate_ranking
+from kvgate.gate.apply import compute_gate, gate_ranking
 from kvgate.gate.config import GatePrefill
 from kvgate.policies.attention_gate import by_kv_head, check_tau, checked_gate_config
 from kvgate.policies.base import (
@@ -108,14 +108,12 @@ class LocalGatePolicy(EncodeMasking, RowScoring):
             self.gate_config(prompt)
             if self.threshold is None:
                 record = compute_gate(prompt.module, prompt.hidden, prompt.position_embeddings,
-                                      prompt.valid, prompt=prompt.valid, tau=self.tau,
-                                      previous_hidden=prompt.previous_hidden)
+                                      prompt.valid, prompt=prompt.valid, tau=self.tau)
                 flags = record.gate.detach() > 0.5
             else:  # the raw scores against KVzap's threshold; sinks and the like still stay
                 scores, forced = gate_ranking(prompt.module, prompt.hidden,
                                               prompt.position_embeddings, prompt.valid,
-                                              prompt=prompt.valid,
-                                              previous_hidden=prompt.previous_hidden)
+                                              prompt=prompt.valid)
                 flags = (forced[:, None, :].expand(-1, prompt.key.shape[1], -1)
                          if scores is None else (scores >= self.threshold) | forced[:, None, :])
             flags = by_kv_head(flags, prompt.key.shape[1], "any")
@@ -135,9 +133,8 @@ class LocalGatePolicy(EncodeMasking, RowScoring):
         if module.layer_idx < gate.config.ungated_layers:
             flags = torch.ones(b, hk, r, dtype=torch.bool, device=rows.key.device)
         else:
-            hidden = gate_input(module, rows.hidden, rows.previous_hidden)
-            kept = (gate(hidden, tau=self.tau).detach() > 0.5 if self.threshold is None
-                    else gate.scores(hidden) >= self.threshold)
+            kept = (gate(rows.hidden, tau=self.tau).detach() > 0.5 if self.threshold is None
+                    else gate.scores(rows.hidden) >= self.threshold)
             flags = by_kv_head(kept, hk, "any")
         return {"above": (flags & rows.valid[:, None, :]).float()}
 

@@ -15,16 +15,17 @@ from pathlib import Path
 from typing import Any
 
 from kvgate.checkpoint import CheckpointError
+from kvgate.gate import GateConfig
 from kvgate.training.errors import TrainingConfigError, note
 from kvgate.training.integrity import SIDECAR_SUFFIX, checkpoint_folders, load_mmap
 
 __all__ = ["check_fresh_start", "check_resume_fits", "earlier_checkpoints",
            "remove_earlier_checkpoints"]
 
-# the settings that decide which trained tensors exist and their shapes, by hparams path
-_GATE_SHAPES = ("kind", "hidden", "heads", "head_dim", "target")
-# what a checkpoint written before a gate setting existed ran with
-_GATE_BEFORE = {"kind": "attention", "hidden": 512}
+# the settings that decide which trained tensors exist and their shapes, by hparams path: these,
+# then the shapes of the run's gate kind (its settings' ``shapes``: the attention kind's heads
+# and head_dim, the mlp kind's hidden)
+_GATE_SHAPES = ("kind", "target")
 _LORA_SHAPES = ("rank", "targets")
 
 
@@ -83,7 +84,8 @@ def check_resume_fits(ckpt_path: str | os.PathLike, module: Any) -> None:
     mine = dict(module.hparams)
     checks = [("train",)]
     if mine.get("train") in ("gates", "gates_lora"):
-        checks += [("gate", key) for key in _GATE_SHAPES]
+        shapes = module.gate_cfg.kind_settings().shapes
+        checks += [("gate", key) for key in (*_GATE_SHAPES, *shapes)]
     if mine.get("train") in ("gates_lora", "lora"):
         checks += [("lora", key) for key in _LORA_SHAPES]
     for names in checks:
@@ -91,10 +93,9 @@ def check_resume_fits(ckpt_path: str | os.PathLike, module: Any) -> None:
             was, now = saved.get(names[0]), mine.get(names[0])
         else:
             was, now = _field(saved, *names), _field(mine, *names)
-        if names[0] == "gate" and names[1] in _GATE_BEFORE and was is None:
-            was = _GATE_BEFORE[names[1]]
-        if "hidden" in names and _field(mine, "gate", "kind") != "mlp":
-            continue  # only the mlp kind has an inner width
+        if names[0] == "gate" and was is None and names[1] in GateConfig.__dataclass_fields__:
+            # written before the setting existed (kind, hidden): it ran with today's default
+            was = GateConfig.__dataclass_fields__[names[1]].default
         if "head_dim" in names and None in (was, now):
             continue  # None is the model's own head_dim: equal or not, only the model knows
         if was != now:

@@ -60,13 +60,12 @@ def test_policy_through_cache(model, name):
         assert batched[i].tolist() == alone[0].tolist(), f"sample {i}"
 
 
-@pytest.mark.parametrize("protected", [{}, {"sinks": 2, "recent": 3}, {"previous_layer": True},
-                                       {"rope": False}])
+@pytest.mark.parametrize("protected", [{}, {"sinks": 2, "recent": 3}, {"rope": False}])
 def test_attention_gate_prefill_equals_the_gated_model(model, protected):
     """The learned policy through the cache (eq. 5 prefill + compaction) gives the logits of
     the gated model's own masked forward, and generation continues from the kept entries;
-    also with protected sinks and a recent band (training and prefill must agree), with gates
-    that read the previous layer's input, and without rotary positions in the gate."""
+    also with protected sinks and a recent band (training and prefill must agree) and without
+    rotary positions in the gate."""
     from kvgate.gate import GateConfig, patch, unpatch
     from kvgate.models import dispatch
 

@@ -4,9 +4,9 @@ back by ``--checkpoint``): what a change to the gates, their config, the checkpo
 the cache must reproduce (tests/eval/test_gate_records.py).
 
 ``python tests/eval/gate_records.py`` rewrites ``data/gate_records.json`` from the code as it
-is. It was written before the gate kinds got a config dataclass each (issue #63), before
-``previous_layer`` was removed (#62) and before ``kvgate/cache/shared*.py`` were regrouped, so
-the test shows that those changes moved no stored number."""
+is. It was written before the gate kinds got a config dataclass each (issue #63) and before
+``previous_layer`` was removed (#62), so the test shows that those changes moved no stored
+number."""
 
 from __future__ import annotations
 

@@ -1,7 +1,8 @@
 """Before / after: ``kvgate eval ruler``, ``eval mc`` and ``eval ppl`` on gated exports of a
 tiny model (attention, mlp and linear gates, each exported and read back by ``--checkpoint``)
-store the per-example records they stored before the gate kinds got a config each (#63),
-``previous_layer`` went (#62) and the shared prefills were regrouped (timings left out).
+store the per-example records they stored before the gate kinds got a config each (#63) and
+``previous_layer`` went (#62), timings left out. RULER's run of the attention export also
+covers the one-shot policies' shared prefill and KVzip's shared passes.
 
 Regenerate ``data/gate_records.json`` (only when a change of the numbers is intended, and say
 why in the commit): ``python tests/eval/gate_records.py``."""

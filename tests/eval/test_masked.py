@@ -97,7 +97,7 @@ def test_keep_for_rows_groups_by_budget():
 @pytest.mark.parametrize("config", [
     GateConfig(gamma=0.0),
     GateConfig(gamma=0.0, mode="prompt_bidirectional", sinks=1),
-    GateConfig(gamma=0.0, previous_layer=True),
+    GateConfig(gamma=0.0, ungated_layers=1),
 ])
 def test_learned_gate_masked_equals_cache(tiny_model, config):
     torch.manual_seed(3)

@@ -150,13 +150,12 @@ def test_local_gate_decoding_holds_the_cache_at_threshold_plus_window(kind, pref
 
 
 @pytest.mark.parametrize("kind", LOCAL)
-@pytest.mark.parametrize("extra", [{}, {"previous_layer": True}, {"target": "query"},
-                                   {"ungated_layers": 1}])
+@pytest.mark.parametrize("extra", [{}, {"target": "query"}, {"ungated_layers": 1}])
 def test_local_gate_prefill_equals_feeding_the_prompt_token_by_token(kind, extra):
     """With the gated prefill (eq. 5 with a band of window + 1) each prompt row sees what a
     decoding row at its place sees, so prefilling equals feeding one token at a time; and it
-    equals the training forward of a gate with recent = window + 1. Also for gates reading
-    the previous layer's input, per-query-head gates and ungated layers."""
+    equals the training forward of a gate with recent = window + 1. Also for per-query-head
+    gates and ungated layers."""
     model = build(tiny_llama_config())
     window = 3
     patch_evicting(model, kind, recent=window + 1, **extra)
@@ -219,7 +218,7 @@ def test_under_autocast_a_gate_reads_a_half_precision_input_without_an_upcast_co
     from kvgate.gate import base
 
     model = build(tiny_llama_config())
-    kvgate.patch(model, GateConfig(kind=kind, hidden=16))
+    kvgate.patch(model, GateConfig(kind=kind, **({"hidden": 16} if kind == "mlp" else {})))
     gate = gate_modules(model)[0]
     hidden = torch.randn(2, 9, 64).bfloat16()
     assert base.in_gate_dtype(hidden, torch.zeros(1)).dtype == torch.float32

@@ -43,9 +43,8 @@ def loss_and_gate_grads(module, batch):
 @pytest.mark.parametrize("gate", [
     GateConfig(gamma=0.0, beta=0.3, prefill="full", recent=2, sinks=1),
     GateConfig(gamma=0.0, beta=0.3, prefill="full", recent=3, mode="prompt_bidirectional"),
-    GateConfig(gamma=0.0, beta=0.3, prefill="full", recent=2, previous_layer=True,
-               ungated_layers=1),
-], ids=["causal_sinks", "bidirectional", "previous_layer"])
+    GateConfig(gamma=0.0, beta=0.3, prefill="full", recent=2, ungated_layers=1),
+], ids=["causal_sinks", "bidirectional", "ungated_layer"])
 def test_two_passes_give_the_whole_block_loss_and_gate_gradients(base_dir, gate):
     recipe = {"distill_weight": 1.0, "lm_weight": 0.5}
     two, whole = built(base_dir, gate, True, recipe=recipe), built(base_dir, gate, False,

@@ -5,14 +5,42 @@ Attention-Gate", Zeng et al. 2024, arXiv:2410.12876). The gate kind ``attention`
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
+from typing import Literal, get_args
 
 import torch
 from torch import Tensor, nn
 
-from kvgate.gate.base import Gate, in_gate_dtype, straight_through
-from kvgate.gate.settings import GateSettings
+from kvgate.gate.base import Gate, in_gate_dtype
+from kvgate.gate.settings import GateSettings, KindSettings
 
-__all__ = ["AttentionGate", "straight_through"]
+__all__ = ["AttentionGate", "AttentionSettings", "GateMode"]
+
+GateMode = Literal["causal", "prompt_bidirectional"]
+
+
+@dataclass
+class AttentionSettings(KindSettings):
+    """The Attention-Gate's own attention (paper: h' = 4 heads of d'_k)."""
+
+    heads: int = 4  # h': heads of the gate's own small attention
+    head_dim: int | None = None  # d'_k; None -> the model's head_dim
+    rope: bool = True  # apply the model's rotary positions to the gate's q'/k'
+    mode: GateMode = "causal"  # gate attention: causal, or bidirectional over the prompt only
+
+    shapes = ("heads", "head_dim")
+
+    def validate(self) -> None:
+        if isinstance(self.heads, bool) or not isinstance(self.heads, int) or self.heads < 1:
+            raise self._bad("heads", "must be a positive integer")
+        if self.head_dim is not None and (isinstance(self.head_dim, bool)
+                                          or not isinstance(self.head_dim, int)
+                                          or self.head_dim < 1):
+            raise self._bad("head_dim", "must be a positive integer or null")
+        if not isinstance(self.rope, bool):
+            raise self._bad("rope", "must be true or false")
+        if self.mode not in get_args(GateMode):
+            raise self._bad("mode", "must be 'causal' or 'prompt_bidirectional'")
 
 
 def _rotate_half(x: Tensor) -> Tensor:
@@ -40,16 +68,17 @@ class AttentionGate(Gate):
     """
 
     kind = "attention"
+    settings_class = AttentionSettings
 
     @classmethod
-    def uses_rope(cls, config: GateSettings) -> bool:
-        return config.rope
+    def rotary_dims(cls, settings: AttentionSettings, head_dim: int) -> int:
+        return (settings.head_dim or head_dim) if settings.rope else 0
 
     def __init__(self, hidden_size: int, out_heads: int, config: GateSettings, head_dim: int):
         super().__init__(config, out_heads)
-        self.heads = config.heads
-        self.head_dim = config.head_dim or head_dim
-        if config.rope and self.head_dim % 2:
+        self.heads = self.settings.heads
+        self.head_dim = self.settings.head_dim or head_dim
+        if self.settings.rope and self.head_dim % 2:
             raise ValueError(f"GateConfig.head_dim: rotary gates need an even size, got {self.head_dim}")
         inner = self.heads * self.head_dim
         self.q_proj = nn.Linear(hidden_size, inner, bias=False)
@@ -62,6 +91,10 @@ class AttentionGate(Gate):
         for lin in (self.q_proj, self.k_proj, self.v_proj, self.o_proj):
             nn.init.xavier_uniform_(lin.weight)
 
+    @property
+    def bidirectional(self) -> bool:
+        return self.settings.mode == "prompt_bidirectional"
+
     def scores(self, hidden: Tensor, position_embeddings=None, attend: Tensor | None = None) -> Tensor:
         """Raw gate scores ``[B, H_gate, n]`` (before gamma and the sigmoid), in fp32."""
         b, n, _ = hidden.shape
@@ -70,7 +103,7 @@ class AttentionGate(Gate):
         q = self.q_proj(x).view(shape).transpose(1, 2)
         k = self.k_proj(x).view(shape).transpose(1, 2)
         v = self.v_proj(x).view(shape).transpose(1, 2)
-        if self.config.rope and position_embeddings is not None:
+        if self.settings.rope and position_embeddings is not None:
             cos, sin = _gate_rotary(*position_embeddings, self.head_dim)
             cos, sin = cos[:, None].to(q.dtype), sin[:, None].to(q.dtype)
             q = q * cos + _rotate_half(q) * sin
