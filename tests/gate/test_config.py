@@ -178,3 +178,23 @@ def test_an_export_written_in_the_old_flat_form_loads_the_same_gates(export):
         load_gated(str(folder))
     assert "GateConfig.previous_layer: gating layer l from layer l-1's input" in str(err.value)
     assert "\n" not in str(err.value)
+
+
+def test_two_kinds_may_not_give_one_field_two_defaults(monkeypatch):
+    """The flat form has one default per field: a kind whose setting clashes with another
+    kind's (or a shared one) is a development error at import, naming the kind and field."""
+    from dataclasses import dataclass
+
+    from kvgate.gate import config as gate_config
+    from kvgate.gate.base import Gate
+
+    @dataclass
+    class Wide(KindSettings):
+        hidden: int = 1024
+
+    class WideGate(Gate):
+        settings_class = Wide
+
+    monkeypatch.setitem(GATES, "wide", WideGate)
+    with pytest.raises(TypeError, match="gate kind 'wide': setting 'hidden' clashes"):
+        gate_config._owners()
