@@ -131,6 +131,12 @@ def test_a_run_config_with_previous_layer_true_is_one_line_and_false_parses(tmp_
         err = capsys.readouterr().err.strip()
         assert err.startswith("error: model.gate.previous_layer: gating layer l from layer")
         assert "no replacement" in err and "\n" not in err
+    # another kind's field at a value the run's kind would not read: one line naming the flag
+    assert main(["--config", "cpt_demo", "--model.gate.kind", "mlp", "--model.gate.heads",
+                 "2"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]  # after any library warning
+    assert err.startswith("error: GateConfig.heads: kind 'mlp' does not read it")
+    assert err.endswith("(--model.gate.heads)")
 
 
 @pytest.fixture
