@@ -26,7 +26,7 @@ def base_dir(tmp_path_factory):
 
 
 def module_of(base_dir, kind: str, **kwargs) -> KVGateModule:
-    gate = {"kind": kind, "hidden": 16, "beta": 0.3, "alpha": 20.0}
+    gate = {"kind": kind, "beta": 0.3, "alpha": 20.0, **({"hidden": 16} if kind == "mlp" else {})}
     module = KVGateModule(base_model=base_dir, train="gates", gate=gate, image_every_n_steps=0,
                           optim={"lr_gate": 0.05, "warmup_ratio": 0.0, "min_lr_ratio": 1.0},
                           **kwargs)
@@ -98,7 +98,8 @@ def test_an_export_from_before_gate_kinds_loads_as_the_attention_gate(base_dir, 
     out = export_module(module, tmp_path / "gated")
     config = out / CONFIG_NAME
     meta = json.loads(config.read_text())
-    del meta["gate"]["kind"], meta["gate"]["hidden"]
+    del meta["gate"]["kind"]  # and no hidden: the attention kind writes none
+    assert "hidden" not in meta["gate"]
     config.write_text(json.dumps(meta))
     assert gate_kind(out) == "attention"
     model, _, _ = load_gated(out)
