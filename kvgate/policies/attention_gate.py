@@ -40,6 +40,7 @@ from torch import Tensor
 
 from kvgate.gate.apply import compute_gate
 from kvgate.gate.config import GatePrefill
+from kvgate.gate.kinds import gate_class
 from kvgate.policies.base import (
     Budget,
     EncodeMasking,
@@ -116,12 +117,12 @@ def checked_gate_config(policy: str, prompt: LayerPrompt) -> Any:
                           "checkpoint (--checkpoint DIR) or call kvgate.patch first")
     if prompt.hidden is None:
         raise PolicyError(f"policy {policy} needs the layer's hidden states")
-    gate = module.kv_gate
-    if type(gate).rotary_dims(gate.settings, prompt.query.shape[-1]) and \
-            prompt.position_embeddings is None:
+    config = module.kv_gate.config
+    rotary = gate_class(config.kind).rotary_dims(config.kind_settings(), prompt.query.shape[-1])
+    if rotary and prompt.position_embeddings is None:
         raise PolicyError(f"policy {policy} needs the forward's rotary tables "
                           "(LayerPrompt.position_embeddings): the gate rotates its q/k")
-    return gate.config
+    return config
 
 
 def by_kv_head(x: Tensor, hk: int, reduce: str) -> Tensor:
