@@ -366,8 +366,10 @@ class CompressedCache(HandlerCache):
         evict = isinstance(self.policy, DecodeEvicting) if evict is None else evict
         # slot positions cost a gather over the base: only when a window or a policy needs them
         positions = store.slot_positions() if (evict or window) else None  # [B, H_kv, T]
+        # [B, H_kv, 1, T] the real slots, holes left out, read off the positions when there
+        seen = None if positions is None else (positions >= 0)[:, :, None, :]
         rows = qpos[:, None, :, None]  # [B, 1, r, 1]
-        base_vis = store.visible_base()
+        base_vis = store.visible_base(None if seen is None else seen[..., :tb])
         if not all_valid:  # padding rows (streamed prompts) see nothing
             base_vis = rows >= 0 if base_vis is None else base_vis & (rows >= 0)
         if window and tb:
@@ -381,7 +383,8 @@ class CompressedCache(HandlerCache):
                 tail_vis = tail_vis & (tpos > rows - window)
         holes = store.tail_holes()  # evicted while decoding, not yet compacted
         if holes is not None:
-            tail_vis = ~holes if tail_vis is None else tail_vis & ~holes
+            kept = ~holes if seen is None else seen[..., tb:]
+            tail_vis = kept if tail_vis is None else tail_vis & kept
         out, logits = multipart_attention(
             query, [KVPart(base_k, base_v, base_vis), KVPart(tail_k, tail_v, tail_vis)],
             scaling, return_logits=evict)
@@ -389,7 +392,7 @@ class CompressedCache(HandlerCache):
         layer.real_seen = layer.real_seen + (r if all_valid else valid.sum(-1))
         if evict:
             fresh = {} if written is None else self.policy.row_stats(written)
-            decode_round(self.policy, layer, logits, positions, prefill, fresh)
+            decode_round(self.policy, layer, logits, positions, prefill, fresh, seen[:, :, 0])
         flush_tail(layer)  # a quantized store's full-precision tail joins its base
         return out
 

@@ -35,12 +35,14 @@ def grown_stats(stats: dict[str, Tensor], fresh: dict[str, Tensor], slots: int
 
 
 def decode_round(policy: DecodeEvicting, layer: Any, logits: Tensor, positions: Tensor,
-                 prefill: bool, fresh: dict[str, Tensor]) -> None:
+                 prefill: bool, fresh: dict[str, Tensor], slot_valid: Tensor | None = None,
+                 ) -> None:
     """One ``decode_select`` round over a layer's stored slots (``layer``: the cache's
     per-layer state, whose ``store`` and ``stats`` it updates). logits ``[B, H, r, T]`` of the
-    new rows, positions ``[B, H_kv, T]`` (-1 at empty slots)."""
+    new rows, positions ``[B, H_kv, T]`` (-1 at empty slots), ``slot_valid`` ``positions >= 0``
+    when the caller has it."""
     store = layer.store
-    slot_valid = positions >= 0
+    slot_valid = positions >= 0 if slot_valid is None else slot_valid
     stats = grown_stats(layer.stats, fresh, slot_valid.shape[-1])
     stats, keep = policy.decode_select(stats, logits, slot_valid, positions, layer.capacity,
                                        prefill=prefill)
@@ -48,9 +50,11 @@ def decode_round(policy: DecodeEvicting, layer: Any, logits: Tensor, positions: 
         raise PolicyError(f"policy {policy.name!r}: decode_select returned keep of "
                           f"shape {tuple(keep.shape)}, expected {tuple(slot_valid.shape)}")
     keep = keep.to(torch.bool) & slot_valid
-    if bool((keep != slot_valid).any()):
-        # usually marked as holes; compacted only once they pass a share (RaggedStore.evict)
-        kept = store.evict(keep)
+    dropped = slot_valid ^ keep  # the real slots that leave
+    count = int(dropped.sum())  # the round's one read of the device
+    if count:
+        # usually marked as holes; compacted only once they pass a share (RaggedStore.drop)
+        kept = store.drop(dropped, count)
         if kept is not None:
             stats = {k: store.realign(v, kept) for k, v in stats.items()}
         else:  # a hole's statistic is never read again: cleared, as a compaction would

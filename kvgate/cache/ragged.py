@@ -13,7 +13,9 @@ the base (``Tb`` = longest segment; slot ``j`` of segment ``s`` is real iff
 ``j < counts[s]``), slots ``Tb..Tb+t-1`` the tail. Only small per-slot tensors (masks,
 positions, scores) are materialised padded. K/V are gathered padded only transiently, one
 layer at a time, and only when the base is ragged; when every segment holds the same number
-of entries the base is a zero-copy ``[B, H_kv, Tb, d]`` view.
+of entries the base is a zero-copy ``[B, H_kv, Tb, d]`` view. The per-slot positions and base
+validity are kept per layout (bookkeeping, as the gather index: not counted in ``nbytes``),
+the positions grown by ``append`` and marked by ``evict``, so a decode step gathers them not.
 
 *Holes*: an entry evicted while decoding is first only marked (``holes`` ``[B, H_kv, T]`` over
 the slot view): it drops out of every view (``slot_valid``, ``slot_positions``,
@@ -78,6 +80,12 @@ class RaggedStore:
         self._base_len = 0
         self._uniform = True
         self._index: Tensor | None = None  # [S, Tb] flat index of every base slot (lazy)
+        # per-layout views derived from the stored data (bookkeeping, like _index: not counted
+        # in nbytes), built lazily and dropped when the layout changes: "base_valid",
+        # "base_pos" [B, H_kv, Tb]; "slot_pos" [B, H_kv, T] kept up to date by append / evict
+        self._views: dict[str, Tensor] = {}
+        self._held: int | None = None  # entries in the base (lazy: counts.sum())
+        self._hole_count = 0  # slots marked in holes
         self.holes: Tensor | None = None  # [B, H_kv, T] evicted, not yet compacted (None: none)
         self._owned = True  # keys / values / pos are this store's alone (forks share them)
 
@@ -136,6 +144,7 @@ class RaggedStore:
         original.
         """
         twin = copy.copy(self)
+        twin._views = dict(self._views)  # the views are never written into: sharing them is safe
         self._owned = twin._owned = False
         return twin
 
@@ -175,6 +184,10 @@ class RaggedStore:
         if self.holes is not None:  # the new slots are no holes
             self.holes = torch.cat([self.holes, self.holes.new_zeros(
                 self.batch, self.kv_heads, pos.shape[1])], dim=-1)
+        slot_pos = self._views.get("slot_pos")
+        if slot_pos is not None:  # the view grows with the tail instead of being rebuilt
+            self._views["slot_pos"] = torch.cat([slot_pos, pos.long()[:, None, :].expand(
+                self.batch, self.kv_heads, -1)], dim=-1)
         if self.tail_k is None:
             # the first block is kept by reference: a rebuild usually follows right away
             self.tail_k, self.tail_v, self.tail_pos = keys, values, pos
@@ -225,7 +238,7 @@ class RaggedStore:
         self._base_len, self._uniform = int(hi), bool(lo == hi)
         self._index = None
         self._owned = True
-        self.holes = None
+        self._new_layout()
         self._age()
         return moves[:, :self._base_len]
 
@@ -256,9 +269,14 @@ class RaggedStore:
         moves[seg, slot] = tb + tslot
         self.tail_k = self.tail_v = None
         self.tail_pos = self.tail_pos.new_empty(self.batch, 0)
-        self.holes = None
+        self._new_layout()
         self._age()
         return moves
+
+    def _new_layout(self) -> None:
+        """After a rebuild or an in-place replacement: no holes, the derived views stale."""
+        self.holes, self._hole_count = None, 0
+        self._views, self._held = {}, None
 
     def _age(self) -> None:
         """Quantized rows: drop the exact copy of every base row that left the residual
@@ -290,11 +308,23 @@ class RaggedStore:
         ``TAIL_MAX`` tokens) compacted by ``rebuild``. Returns ``rebuild``'s moves when the
         layout changed, None when only holes were marked (per-slot statistics stay aligned)."""
         dropped = self.slot_valid() & ~keep.to(torch.bool)
-        holes = dropped if self.holes is None else self.holes | dropped
-        held = int(self.counts.sum()) + self.kv_heads * int((self.tail_pos >= 0).sum())
-        if self.tail_len >= TAIL_MAX or int(holes.sum()) > HOLE_SHARE * held:
-            return self.rebuild(keep)
-        self.holes = holes
+        return self.drop(dropped, int(dropped.sum()))
+
+    def drop(self, dropped: Tensor, count: int) -> Tensor | None:
+        """``evict`` given what leaves: ``dropped`` [B, H_kv, T] bool, real slots only (no
+        hole marked twice), ``count`` of them (the caller's one read of the device)."""
+        if self._held is None:
+            self._held = int(self.counts.sum())
+        tail = self.tail_len if not self.tail_padded else int((self.tail_pos >= 0).sum())
+        holes = self._hole_count + count
+        if self.tail_len >= TAIL_MAX or holes > HOLE_SHARE * (self._held + self.kv_heads * tail):
+            return self.rebuild(~dropped)  # rebuild keeps real slots only
+        if count:
+            self.holes = dropped if self.holes is None else self.holes | dropped
+            self._hole_count = holes
+            slot_pos = self._views.get("slot_pos")
+            if slot_pos is not None:
+                self._views["slot_pos"] = slot_pos.masked_fill(dropped, -1)
         return None
 
     def realign(self, x: Tensor, moves: Tensor) -> Tensor:
@@ -316,29 +346,45 @@ class RaggedStore:
 
     def base_slot_valid(self) -> Tensor:
         """``[B, H_kv, Tb]`` True at real base slots."""
-        ar = torch.arange(self._base_len, device=self.device)
-        return (ar < self.counts[:, None]).view(self.batch, self.kv_heads, self._base_len)
+        valid = self._views.get("base_valid")
+        if valid is None:
+            ar = torch.arange(self._base_len, device=self.device)
+            valid = (ar < self.counts[:, None]).view(self.batch, self.kv_heads, self._base_len)
+            self._views["base_valid"] = valid
+        return valid
 
     def slot_valid(self) -> Tensor:
         """``[B, H_kv, T]`` True at real slots (base entries and non-padding tail tokens), holes
         left out."""
+        slots = self._views.get("slot_pos")
+        if slots is not None:  # -1 exactly at empty slots, padding and holes
+            return slots >= 0
         tail = (self.tail_pos >= 0)[:, None, :].expand(self.batch, self.kv_heads, -1)
         valid = torch.cat([self.base_slot_valid(), tail], dim=-1)
         return valid if self.holes is None else valid & ~self.holes
 
     def slot_positions(self) -> Tensor:
-        """``[B, H_kv, T]`` long true positions, -1 at empty slots and holes."""
-        base = self.pos[self._base_index()].long().view(self.batch, self.kv_heads, -1)
-        base = base.masked_fill(~self.base_slot_valid(), -1)
-        tail = self.tail_pos.long()[:, None, :].expand(self.batch, self.kv_heads, -1)
-        slots = torch.cat([base, tail], dim=-1)
-        return slots if self.holes is None else slots.masked_fill(self.holes, -1)
+        """``[B, H_kv, T]`` long true positions, -1 at empty slots and holes (built once
+        per layout, then grown by ``append`` and marked by ``evict``: a decode step reads it
+        without a gather over the base)."""
+        slots = self._views.get("slot_pos")
+        if slots is None:
+            base = self.pos.index_select(0, self._base_index().view(-1)).long()
+            base = base.view(self.batch, self.kv_heads, -1).masked_fill(~self.base_slot_valid(), -1)
+            tail = self.tail_pos.long()[:, None, :].expand(self.batch, self.kv_heads, -1)
+            slots = torch.cat([base, tail], dim=-1)
+            slots = slots if self.holes is None else slots.masked_fill(self.holes, -1)
+            self._views["slot_pos"] = slots
+        return slots
 
-    def visible_base(self) -> Tensor | None:
+    def visible_base(self, seen: Tensor | None = None) -> Tensor | None:
         """``[B, H_kv, 1, Tb]`` the base slots attention may read (None: all of them, a
-        uniform base without holes)."""
+        uniform base without holes); ``seen``: that mask when the caller has it already
+        (``slot_positions() >= 0`` over the base), given back unless every slot is read."""
         if self._uniform and self.holes is None:
             return None
+        if seen is not None:
+            return seen
         valid = self.base_slot_valid()
         if self.holes is not None:
             valid = valid & ~self.holes[..., :self._base_len]
@@ -354,8 +400,8 @@ class RaggedStore:
         keys, values = self.rows.dense()  # dequantized each call when quantized: no copy kept
         if self._uniform:
             return keys.view(shape), values.view(shape)
-        idx = self._base_index().reshape(-1)
-        return keys[idx].view(shape), values[idx].view(shape)
+        idx = self._base_index().view(-1)  # index_select: several times faster than keys[idx]
+        return keys.index_select(0, idx).view(shape), values.index_select(0, idx).view(shape)
 
     def tail_kv(self) -> tuple[Tensor | None, Tensor | None]:
         return self.tail_k, self.tail_v

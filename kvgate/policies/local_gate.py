@@ -126,15 +126,20 @@ class LocalGatePolicy(EncodeMasking, RowScoring):
 
     def row_stats(self, rows: LayerPrompt) -> dict[str, Tensor]:
         """``{"above": [B, H_kv, r]}`` of new rows: each scored from its own hidden state."""
-        self.gate_config(rows)
         module = rows.module
-        gate = module.kv_gate
+        gate = getattr(module, "kv_gate", None)
+        if gate is None or not gate.local or rows.hidden is None:
+            self.gate_config(rows)  # the check, with its one-line error (a local gate passes)
         b, hk, r = rows.key.shape[:3]
         if module.layer_idx < gate.config.ungated_layers:
             flags = torch.ones(b, hk, r, dtype=torch.bool, device=rows.key.device)
         else:
-            kept = (gate(rows.hidden, tau=self.tau).detach() > 0.5 if self.threshold is None
-                    else gate.scores(rows.hidden) >= self.threshold)
+            scores = gate.scores(rows.hidden)
+            if self.threshold is None:  # Gate.forward's hard flags, without its gradient terms
+                tau = gate.config.tau if self.tau is None else self.tau
+                kept = torch.sigmoid(scores + gate.config.gamma) > tau
+            else:
+                kept = scores >= self.threshold
             flags = by_kv_head(kept, hk, "any")
         return {"above": (flags & rows.valid[:, None, :]).float()}
 
