@@ -63,6 +63,13 @@ def test_the_gist_drops_the_opening_words_that_repeat_the_question():
     assert gist("the map room", q) == "room"  # never empty: the last word stays
 
 
+def test_a_cell_is_the_answers_first_sentence_with_its_end_kept():
+    from kvgate.demo.run import _cell
+
+    assert _cell("silver heron. And more text.", 20) == "silver heron."
+    assert _cell("was founded by a woman named Clara Voss.", 20) == "...named Clara Voss."
+
+
 def test_the_table_marks_each_answer_and_counts_the_facts_held():
     rows = [DemoRow("full cache", 1.0, 2 << 20, 2 << 20, ["Clara Voss", "1847"],
                     [True, True]),
@@ -112,6 +119,7 @@ def test_the_command_runs_end_to_end_and_prints_the_table(gated, capsys):
     header = next(line for line in lines if line.startswith("| policy"))
     assert header == "| policy | kept | KV bytes held | Q1 | Q2 | Q3 | facts held |"
     assert sum(line.startswith("| ") for line in lines) == 5
+    assert lines[-1].startswith("KV bytes held: ")
 
 
 def test_ones_own_document_and_questions(gated, tmp_path, capsys):

@@ -109,16 +109,19 @@ def gist(answer: str, question: str) -> str:
 
 
 def _cell(text: str, width: int) -> str:
+    """The first sentence of ``text``, its end kept when too long: an answer's fact comes
+    last ("... a woman named Clara Voss.")."""
     text = " ".join(text.split())
-    return text if len(text) <= width else text[:width - 3] + "..."
+    text = re.split(r"(?<=[.!?])\s", text, maxsplit=1)[0]
+    return text if len(text) <= width else "..." + text[-(width - 3):]
 
 
 def demo_table(rows: Sequence[DemoRow], questions: Sequence[str],
                gold: Sequence[str | None] | None = None, width: int = 28,
                marks: tuple[str, str] = ("✓", "✗")) -> str:
     """The questions, then one markdown table: per policy the kept share, the KV bytes held
-    against the dense cache, each answer (its ``gist``, cut to ``width``) marked by whether it
-    holds the fact, and the facts held."""
+    against the dense cache, each answer (its ``gist``'s first sentence, its end when longer
+    than ``width``) marked by whether it holds the fact, and the facts held."""
     gold = list(gold) if gold is not None else [None] * len(questions)
     lines = [f"Q{i + 1}: {q}" + (f"  (fact: {g})" if g else "")
              for i, (q, g) in enumerate(zip(questions, gold))]
@@ -136,4 +139,7 @@ def demo_table(rows: Sequence[DemoRow], questions: Sequence[str],
         if checked:
             cells.append(f"{sum(bool(h) for h in r.holds)}/{sum(h is not None for h in r.holds)}")
         lines.append("| " + " | ".join(cells) + " |")
+    note = ("KV bytes held: the kept K/V and each entry's position (so the full cache holds a "
+            "little more than the dense one), against the dense cache of the context.")
+    lines += ["", note]
     return "\n".join(lines)
