@@ -500,9 +500,11 @@ case "${1:-all}" in
            --out $R/ruler/powered_4k ;;
       # a trained gate at its keep threshold (trained first if missing) -> $R/ruler/powered_GATE
       # (1k, 2k) and $R/ruler/powered_GATE_4k
-      cpt_long|cpt_recipe|cpt_oracle|cpt_kvzap)
-         [ -f runs/$2/gated/kvgate_config.json ] || kvgate train --config $2 --ckpt_path last
-         pol=attention_gate; [ "$2" = cpt_kvzap ] && pol=local_gate  # an MLP gate's policy
+      # (cpt_kvzap_quick: the main job's gate, bash scripts/main.sh, labels first)
+      cpt_long|cpt_recipe|cpt_oracle|cpt_kvzap|cpt_kvzap_quick)
+         [ -f runs/$2/gated/kvgate_config.json ] || { kvgate data oracle --config $2
+           kvgate train --config $2 --ckpt_path last; }
+         pol=attention_gate; [ "${2#cpt_kvzap}" != "$2" ] && pol=local_gate  # MLP gates' policy
          g=(--checkpoint runs/$2/gated "${pw[@]}" --policies $pol)
          # cpt_long keeps its 4k records beside its 1k / 2k ones
          four=$R/ruler/powered_${2}_4k; [ "$2" = cpt_long ] && four=$R/ruler/powered_$2
@@ -629,6 +631,8 @@ print(round(next(v for k, v in r.items() if '|local_gate|' in k)['held_end_pct']
            cpt_long=$R/ruler/powered_cpt_long cpt_long=$R/ruler/powered_cpt_long_4k \
            cpt_oracle=$R/ruler/powered_cpt_oracle cpt_oracle=$R/ruler/powered_cpt_oracle_4k \
            cpt_kvzap=$R/ruler/powered_cpt_kvzap cpt_kvzap=$R/ruler/powered_cpt_kvzap_4k \
+           cpt_kvzap_quick=$R/ruler/powered_cpt_kvzap_quick \
+           cpt_kvzap_quick=$R/ruler/powered_cpt_kvzap_quick_4k \
            kvzip=$R/ruler/powered_kvzip kvzip=$R/ruler/powered_kvzip_4k
          # the sweep at 4k, the gates at their calibrated thresholds (c25 / c75)
          python experiments/summarize_sweep.py $R/ruler/powered_4k kvzip=$R/ruler/powered_kvzip_4k \
