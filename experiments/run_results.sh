@@ -725,5 +725,17 @@ print(round(next(v for k, v in r.items() if '|local_gate|' in k)['held_end_pct']
     python experiments/summarize_ruler.py $R/ruler/heuristics cpt_long=$R/ruler/cpt_long \
       cpt_recipe=$R/ruler/cpt_recipe "${extra[@]}" \
       --tasks niah_single_1,niah_single_2,niah_multikey_1,qa_1 ;;
-  *) echo "usage: $0 base|cpt|sft|gate CKPT OUT|sfteval|ppl CKPT OUT BUDGETS|ablation|pplctx CTX CONT WINDOWS OUT GATE...|needle|mcshort|mctasks|mctasksall|mctaskslora|mctasksseed1|mctasksbidir|mctasksb22|mctasks3shot|mctasksranked|mcselect NAME OUT HEUR...|mcfewshot NAME K LIMIT [TASKS]|pplseed SEED|ctx256seed SEED|curve256 PART|ctx256b25 SEED|ctx256b15 SEED|ctx256b05 SEED|ctx256band32 SEED|curve256b25 SEED...|curve256b15 SEED...|curve256band32 SEED...|curve256band32low SEED...|curve256band32mid SEED...|ctx1024band64 SEED|ctx1024band64more SEED|select CONTEXT SELECTOR[:TAU] NAME...|ranked CONTEXT NAME...|h2or32|headroom|ruler PART|powered PART" >&2; exit 2 ;;
+  kvbits) # issue #67: kept K/V stored in 8 / 4 bits (--kv-bits), RULER's two NIAH families at
+    # 2k as RESULTS 3 (48 a family, bf16, teacher-scored): the full cache and TOVA at 0.5, the
+    # cpt_kvzap gate at its threshold; 16 bits are RESULTS 3's own records; then the table
+    pw=(--tasks niah_single_1,niah_single_2 --score teacher --dtype bfloat16 --no-progress
+        --lengths 2048 --limit 48)
+    for b in 8 4; do
+      kvgate eval ruler --model smollm2-135m "${pw[@]}" --policies full,tova --budgets 0.5 \
+        --kv-bits $b --out $R/ruler/kvbits$b
+      kvgate eval ruler --checkpoint runs/cpt_kvzap/gated "${pw[@]}" --policies local_gate \
+        --kv-bits $b --out $R/ruler/kvbits${b}_cpt_kvzap
+    done
+    python experiments/summarize_kvbits.py ;;
+  *) echo "usage: $0 base|cpt|sft|gate CKPT OUT|sfteval|ppl CKPT OUT BUDGETS|ablation|pplctx CTX CONT WINDOWS OUT GATE...|needle|mcshort|mctasks|mctasksall|mctaskslora|mctasksseed1|mctasksbidir|mctasksb22|mctasks3shot|mctasksranked|mcselect NAME OUT HEUR...|mcfewshot NAME K LIMIT [TASKS]|pplseed SEED|ctx256seed SEED|curve256 PART|ctx256b25 SEED|ctx256b15 SEED|ctx256b05 SEED|ctx256band32 SEED|curve256b25 SEED...|curve256b15 SEED...|curve256band32 SEED...|curve256band32low SEED...|curve256band32mid SEED...|ctx1024band64 SEED|ctx1024band64more SEED|select CONTEXT SELECTOR[:TAU] NAME...|ranked CONTEXT NAME...|h2or32|headroom|ruler PART|powered PART|kvbits" >&2; exit 2 ;;
 esac
