@@ -13,7 +13,8 @@ Regimes, on the same random prompts:
   padded gather of the base per layer);
 - ``gate``: a gated copy of the model (gates of ``cpt_long``'s shape, random weights: the
   cost of a gate does not depend on its values) ranked at the same budget (``gate_hybrid``
-  with ``rank=true``), so it evicts exactly as much as SnapKV; its prefill is the paper's eq. 5.
+  with ``rank=true``, from experiments/policies), so it evicts exactly as much as SnapKV; its
+  prefill is the paper's eq. 5.
 
 Per batch size, each regime first runs alone (prefill, two decode steps) to read its memory:
 ``torch.cuda.max_memory_allocated`` above what was allocated before it started (the weights
@@ -290,6 +291,13 @@ def main(argv: list[str] | None = None) -> int:
     makers = {"dense": dense, "snapkv": compressed("snapkv", routed, get_policy("snapkv")),
               "adakv": compressed("adakv", routed, get_policy("adakv"))}
     if any(r.startswith("gate") for r in args.regimes):
+        # a gate ranked at SnapKV's budget (so it evicts exactly as much) is gate_hybrid with
+        # rank=true, a research policy kept in experiments/policies: registered from there, as
+        # the RESULTS 5 rows measured with it were
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+        from experiments.policies import register
+
+        register()
         makers["gate"] = compressed("gate", patch(copy.deepcopy(model), GATE),
                                     get_policy("gate_hybrid", rank=True))
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"

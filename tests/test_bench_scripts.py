@@ -135,9 +135,13 @@ def test_bench_kernel_refuses_to_time_a_regime_that_computes_something_else():
         bench.check(fns, tensors, torch.randn_like(tensors[0]))
 
 
-def test_bench_decode_holds_the_kept_share_and_reports_every_regime(capsys):
+def test_bench_decode_holds_the_kept_share_and_reports_every_regime(capsys, monkeypatch):
     from conftest import load_script
 
+    from kvgate.policies import registry
+
+    # the bench registers the research policy its gate regime ranks with: for this test only
+    monkeypatch.setattr(registry, "POLICIES", dict(registry.POLICIES))
     bench = load_script("bench/bench_decode.py")
     bench.main(["--device", "cpu", "--layers", "2", "--prompt", "256", "--batch", "2",
                 "--decode", "2", "--evict", "0.75"])
@@ -151,12 +155,15 @@ def test_bench_decode_holds_the_kept_share_and_reports_every_regime(capsys):
     assert ragged == {"adakv"}, out  # Ada-KV splits the budget unevenly; the others do not
 
 
-def test_bench_decode_graphed_regimes_run_the_fixed_shape_step(capsys):
+def test_bench_decode_graphed_regimes_run_the_fixed_shape_step(capsys, monkeypatch):
     """On the CPU the graphed regimes run the same fixed-shape step eagerly: the compressed
     one frozen (its bytes: the kept quarter plus the preallocated tail of 4 slots), the dense
     one on transformers' StaticCache; both compared with the dense graphed baseline too."""
     from conftest import load_script
 
+    from kvgate.policies import registry
+
+    monkeypatch.setattr(registry, "POLICIES", dict(registry.POLICIES))
     load_script("bench/bench_decode.py").main([
         "--device", "cpu", "--layers", "2", "--prompt", "256", "--batch", "2", "--decode", "2",
         "--evict", "0.75", "--regimes", "dense", "snapkv", "dense-graph", "snapkv-graph"])
