@@ -1,12 +1,13 @@
-"""Issue #67's table (docs/RESULTS.md section 5): RULER at 2k with the kept K/V stored in 16 / 8 /
-4 bits; each row's paired gap to the same policy at 16 bits (RESULTS 3's own records), and the
-gate against TOVA at the same bits.
+"""Issue #67's table (docs/RESULTS.md section 5): RULER with the kept K/V stored in 16 / 8 / 4
+bits; each row's paired gap to the same policy at 16 bits (RESULTS 3's own records), and the gate
+against TOVA at the same bits. At 4k (``--length 4096``) the folders end in ``_4k``.
 
-    python experiments/summarize_kvbits.py
+    python experiments/summarize_kvbits.py [--length 4096]
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 
 from kvgate.eval.paired import paired_difference
@@ -41,18 +42,23 @@ def gap(a: list[dict], b: list[dict]) -> str:
 
 
 def main() -> None:
-    at16 = {"full": rows("powered", "full"), "tova": rows("powered", "tova", "0.5"),
-            "gate": rows("powered_cpt_kvzap", "local_gate")}
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--length", type=int, default=2048)
+    n = parser.parse_args().length
+    sfx = "" if n == 2048 else "_4k"
+    at16 = {"full": rows("powered" + sfx, "full", length=n),
+            "tova": rows("powered" + sfx, "tova", "0.5", length=n),
+            "gate": rows("powered_cpt_kvzap" + sfx, "local_gate", length=n)}
     print("| policy | 16 bits | 8 bits, vs 16 | 4 bits, vs 16 |")
     print("|---|---|---|---|")
     found = {}
     for name in ("full", "gate", "tova"):
         cells = [score(at16[name])]
         for bits in (8, 4):
-            folder = f"kvbits{bits}" + ("_cpt_kvzap" if name == "gate" else "")
+            folder = f"kvbits{bits}" + ("_cpt_kvzap" if name == "gate" else "") + sfx
             policy = "local_gate" if name == "gate" else name
             try:
-                got = rows(folder, policy, "0.5" if name == "tova" else None)
+                got = rows(folder, policy, "0.5" if name == "tova" else None, n)
             except (FileNotFoundError, KeyError):
                 cells.append("-")
                 continue
