@@ -9,6 +9,11 @@ context (``kvgate.inference.calibrate``; ``--quiet`` leaves it out)::
 
     kvgate eval calibrate --checkpoint runs/cpt_kvzap/gated --policies local_gate \\
         --evict 0.25,0.5,0.75 --lengths 1024,2048,4096 --out out/cal
+
+No ``--kv-bits`` other than 16: a gate's choice is made at the prefill, over the keys and values
+the prompt computes before any entry is stored, so the share it evicts is the same whatever the
+cache stores them in (``tests/inference/test_kv_bits.py`` checks this of every gate); a
+threshold calibrated here serves a cache at 8 or 4 bits as it is.
 """
 
 from __future__ import annotations
@@ -44,9 +49,17 @@ class CalibrateConfig(EvalConfig):
     tol: float = opt(0.01, "stop when the measured share is this close to the target")
     max_runs: int = opt(10, "compressions of every context at most, per target")
     chat: bool = opt(True, "plain prompts even when the tokenizer has a chat template")
+    kv_bits: int = opt(16, "16 only: a gate chooses at the prefill, over the prompt's keys and "
+                       "values before any is stored, so the share it evicts, and the "
+                       "threshold found, are the same at --kv-bits 8 or 4")
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        if self.kv_bits != 16:
+            raise EvalError(f"--kv-bits {self.kv_bits}: calibrate measures the share a gate "
+                            "evicts, chosen at the prefill before any entry is stored, so it "
+                            "is the same at any --kv-bits: calibrate at 16 and serve the "
+                            "threshold at 8 or 4")
         self.evict = parse_numbers(self.evict, "evict", float)
         for e in self.evict:
             if not 0.0 < e < 1.0:

@@ -18,8 +18,9 @@ comes back to it; one that differs is refused in one line naming the setting and
   ``max_new_tokens`` (generate) and ``query_aware``; for per-text perplexity ``max_length``,
   ``prefix`` and ``truncate``; for ruler ``seed``, ``depths``, ``chat``, ``max_new_tokens`` (the
   cap) and ``query_aware``, plus ``source``; for longbench ``source``, ``max_length``, ``chat``,
-  ``max_new_tokens`` and ``query_aware``; for both the cache's storage, ``kv_bits`` (and at 8 or 4
-  bits ``kv_group`` and ``kv_residual``).
+  ``max_new_tokens`` and ``query_aware``; for ruler, longbench, the needle, ppl, mc and matched
+  the cache's storage, ``kv_bits`` (and at 8 or 4 bits ``kv_group`` and ``kv_residual``; their
+  masked modes store nothing and take 16 bits only).
 - Where the question goes is in the key as well: the needle's mode is ``rank-masked`` (the
   question compressed with the context, as every needle record before the question-agnostic
   default was) or ``rank-masked-agnostic`` (asked after compression); ruler's mode is

@@ -13,6 +13,8 @@ Modes:
 - ``cache``: the context is prefilled into a ``CompressedCache`` (only kept entries are stored)
   and every choice is a continuation over it. The cache serves one batch, so each choice gets
   its own row with the context repeated (the policy sees identical rows and keeps the same).
+  Only here does ``kv`` (:class:`kvgate.cache.quant.KVQuant`: kept entries in 8 or 4 bits)
+  apply; the masked mode stores nothing, and refuses it.
 
 %Evict (the Attention-Gate paper's definition): ``100 x mean over examples of evicted / (L x H_kv x n_ctx)``, counted over
 every (layer, KV head, real context token); the token-weighted mean is reported next to it.
@@ -37,6 +39,7 @@ import torch
 from torch import Tensor, nn
 
 from kvgate.attention.masks import left_pad, right_pad
+from kvgate.cache.quant import KVQuant
 from kvgate.data.tasks import MCExample
 from kvgate.eval.errors import EvalError, encode, model_device, model_shape
 from kvgate.eval.masked import ItemScore, ScoringItem, check_budget_ratio, masked_scores
@@ -155,13 +158,14 @@ def _held_entries(cache: Any, num_layers: int) -> Tensor:
 
 def cache_scores(model: nn.Module, items: Sequence[ScoringItem], policy: Policy,
                  budget: Budget, pad: int = 0, tokenizer: Any = None,
-                 step: int | None = None) -> list[ItemScore]:
+                 step: int | None = None, kv: KVQuant | None = None) -> list[ItemScore]:
     """Score items over a real compressed cache: prefill every (item, choice) row's context
     with ``policy`` at ``budget``, then feed the choice as a continuation (``step`` tokens
-    per forward: ``score_continuations``)."""
+    per forward: ``score_continuations``). ``kv``: how the cache stores kept entries (None:
+    as the model gives them)."""
     num_layers, kv_heads = model_shape(model)
     owner = [i for i, it in enumerate(items) for _ in it.choices]
-    cache = Engine(model, None, policy, budget).new_cache()
+    cache = Engine(model, None, policy, budget, **(kv or KVQuant()).kwargs()).new_cache()
     rows = score_continuations(model, cache, [items[i].context for i in owner],
                                [ch for it in items for ch in it.choices], pad, tokenizer, step)
     scores: dict[int, ItemScore] = {}
@@ -179,11 +183,15 @@ def cache_scores(model: nn.Module, items: Sequence[ScoringItem], policy: Policy,
 
 def score_batch(model: nn.Module, items: Sequence[ScoringItem], policy: Policy,
                 budgets: Sequence[Budget], mode: str, pad: int = 0,
-                tokenizer: Any = None, step: int | None = None) -> list[ItemScore]:
+                tokenizer: Any = None, step: int | None = None,
+                kv: KVQuant | None = None) -> list[ItemScore]:
     """Score a batch in ``mode``; ``budgets`` has one budget per item (``tokenizer``: for a
     ``PassScoring`` policy's extra passes in a cache; ``step``: continuation tokens per
-    forward in a cache)."""
+    forward in a cache; ``kv``: how a cache stores kept entries)."""
     if check_mode(mode) == "masked":
+        if kv is not None and kv.quantized:  # masks store nothing: the bits would be ignored
+            raise EvalError(f"kv_bits {kv.bits} stores a real cache's entries; the masked "
+                            "mode has none: use mode 'cache'")
         return masked_scores(model, items, policy, budgets, pad)[0]
     out: list[ItemScore | None] = [None] * len(items)
     groups: dict[Budget, list[int]] = {}
@@ -191,7 +199,7 @@ def score_batch(model: nn.Module, items: Sequence[ScoringItem], policy: Policy,
         groups.setdefault(bud, []).append(i)
     for bud, idx in groups.items():  # a compressed cache holds one budget
         for i, s in zip(idx, cache_scores(model, [items[i] for i in idx], policy, bud, pad,
-                                          tokenizer, step)):
+                                          tokenizer, step, kv)):
             out[i] = s
     return out  # type: ignore[return-value]
 
@@ -245,15 +253,17 @@ def run_items(model: nn.Module, items: Sequence[ScoringItem], policy: Policy,
               summarise: Callable[[Mapping[str, Any]], dict[str, Any]],
               extra: Mapping[str, Any] | None = None, batch_size: int = 8, pad: int = 0,
               progress: bool | Tally = True, record_budget: bool = True,
-              tokenizer: Any = None, step: int | None = None) -> dict[str, Any]:
+              tokenizer: Any = None, step: int | None = None,
+              kv: KVQuant | None = None) -> dict[str, Any]:
     """Continuation scoring of ``items`` under one key (resumable); ``budget_of(uid)`` gives
     each item's budget; ``progress``: the run's ``Tally`` (or whether to show this key's
-    own). Returns the stored record."""
+    own); ``kv``: how a cache-mode run's caches store kept entries. Returns the stored
+    record."""
     check_mode(mode)
 
     def score(batch: list[ScoringItem]) -> list[dict[str, Any]]:
         budgets = [budget_of(it.uid) for it in batch]
-        scores = score_batch(model, batch, policy, budgets, mode, pad, tokenizer, step)
+        scores = score_batch(model, batch, policy, budgets, mode, pad, tokenizer, step, kv)
         return [score_record(it, s, b if record_budget else None)
                 for it, b, s in zip(batch, budgets, scores)]
 
@@ -311,8 +321,10 @@ def tokenize_tasks(tasks: Mapping[str, Sequence[MCExample]], tokenizer: Any,
 def evaluate_mc(model: nn.Module, tokenizer: Any, tasks: Mapping[str, Sequence[MCExample]],
                 policies: Mapping[str, Policy], budgets: Sequence[Budget], mode: str,
                 store: ResultStore, *, batch_size: int = 8, max_length: int | None = None,
-                progress: bool = True, truncate: bool = False) -> list[str]:
-    """Every (task, policy, budget) at fixed budgets; returns the result keys.
+                progress: bool = True, truncate: bool = False,
+                kv: KVQuant | None = None) -> list[str]:
+    """Every (task, policy, budget) at fixed budgets; returns the result keys. ``kv``: how
+    the caches of ``mode`` cache store kept entries.
 
     Budget-free policies (``full``, the thresholded ``attention_gate``: ``Policy.budget_free``)
     run once under the label ``none``. An example longer than the model's context is refused
@@ -332,7 +344,7 @@ def evaluate_mc(model: nn.Module, tokenizer: Any, tasks: Mapping[str, Sequence[M
                     fixed = bud or Budget(ratio=1.0)
                     run_items(model, task_items, policy, lambda _uid, b=fixed: b, mode, store,
                               key, mc_summary, batch_size=batch_size, pad=pad, progress=tally,
-                              record_budget=bud is not None, tokenizer=tokenizer)
+                              record_budget=bud is not None, tokenizer=tokenizer, kv=kv)
                     keys.append(key)
     return keys
 
@@ -352,12 +364,14 @@ def evaluate_matched(model: nn.Module, tokenizer: Any, tasks: Mapping[str, Seque
                      reference_budget: Budget | None = None, batch_size: int = 8,
                      max_length: int | None = None, progress: bool = True,
                      others: Callable[[], AbstractContextManager] | None = None,
-                     rounding: str = "up", truncate: bool = False) -> list[str]:
+                     rounding: str = "up", truncate: bool = False,
+                     kv: KVQuant | None = None) -> list[str]:
     """Run ``reference`` (the learned gate; a heuristic at ``reference_budget`` works too),
     then every other policy at the reference's per-example eviction ratio (budget label
     ``matched-<reference key's policy>@<its budget>``, ``matched~...`` with ``rounding``
     "nearest"); returns the keys. ``others``: a context the other policies run in (e.g.
-    peft's ``disable_adapter``: the frozen base)."""
+    peft's ``disable_adapter``: the frozen base); ``kv``: how every cache of ``mode`` cache
+    stores kept entries, the reference's too."""
     check_mode(mode)
     Budget(ratio=1.0, rounding=rounding)  # a bad rounding fails before any model runs
     ref_name = reference_name or reference.name
@@ -374,7 +388,7 @@ def evaluate_matched(model: nn.Module, tokenizer: Any, tasks: Mapping[str, Seque
             record = run_items(model, task_items, reference, lambda _uid, b=fixed: b, mode,
                                store, ref_key, mc_summary, batch_size=batch_size, pad=pad,
                                progress=tally, record_budget=ref_budget is not None,
-                               tokenizer=tokenizer)
+                               tokenizer=tokenizer, kv=kv)
             keys.append(ref_key)
             per_example = matched_budgets(record, rounding)
             label = (("matched~" if rounding == "nearest" else "matched-") + ref_name
@@ -386,6 +400,6 @@ def evaluate_matched(model: nn.Module, tokenizer: Any, tasks: Mapping[str, Seque
                 with (others or nullcontext)():
                     run_items(model, task_items, policy, per_example.__getitem__, mode, store,
                               key, mc_summary, batch_size=batch_size, pad=pad, progress=tally,
-                              tokenizer=tokenizer)
+                              tokenizer=tokenizer, kv=kv)
                 keys.append(key)
     return keys

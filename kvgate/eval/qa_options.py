@@ -2,9 +2,10 @@
 ruler, longbench, a new one): ``score`` (``generate``, ``teacher`` or both:
 :mod:`kvgate.eval.runner`) and ``paired`` (a policy each row's score is compared with on the
 same examples: :mod:`kvgate.eval.paired`); and how the compressed cache stores kept entries
-(``kv_bits``, ``kv_group``, ``kv_residual``: :class:`kvgate.cache.quant.KVQuant`), for the
-benchmarks that ask over a real cache (ruler, longbench). Light, as every config is: the
-configs are read to build the command line."""
+(``kv_bits``, ``kv_group``, ``kv_residual``: :class:`kvgate.cache.quant.KVQuant`), for every
+command that scores over a real cache: ruler, longbench, needle, and ppl, mc and matched in
+``--mode cache`` (their masked mode has no cache to store: ``kv_cache_only`` refuses 8 or 4
+bits there). Light, as every config is: the configs are read to build the command line."""
 
 from __future__ import annotations
 
@@ -84,3 +85,14 @@ def kv_settings(cfg: Any) -> dict[str, Any]:
     if not kv.quantized:
         return {"kv_bits": kv.bits}
     return {"kv_bits": kv.bits, "kv_group": kv.group, "kv_residual": kv.residual}
+
+
+def kv_cache_only(cfg: Any, cache: bool, where: str = "--mode masked") -> None:
+    """:func:`kv_storage`'s check, and one line if ``cfg`` asks for 8 or 4 bits where
+    ``where`` scores without a cache (``cache`` False): the keep decisions are then attention
+    masks over the keys and values the model computes, which nothing stores, so the bits
+    would change nothing."""
+    if kv_storage(cfg).quantized and not cache:
+        raise EvalError(f"--kv-bits {cfg.kv_bits} sets how a real cache stores kept entries, "
+                        f"and {where} has none (the keep decisions are attention masks over "
+                        "the model's own keys and values): add --mode cache")

@@ -69,6 +69,7 @@ def run_mc(cfg: MCConfig, load: Loader | None = None) -> EvalOutput:
     """Every (task, policy, budget) at fixed budgets; eviction patterns of a thresholded gate."""
     from kvgate.eval.commands import finish, kept_on_interrupt, loaded, needs_gate
     from kvgate.eval.multiple_choice import evaluate_mc
+    from kvgate.eval.qa_options import kv_storage
     from kvgate.policies.base import Budget
 
     model, tokenizer, policies, store = loaded(cfg, load, cfg.build_policies())
@@ -76,7 +77,7 @@ def run_mc(cfg: MCConfig, load: Loader | None = None) -> EvalOutput:
     with kept_on_interrupt(store):
         evaluate_mc(model, tokenizer, tasks, policies, cfg.budgets, cfg.mode, store,
                     batch_size=cfg.batch_size, max_length=cfg.max_length,
-                    progress=cfg.progress, truncate=cfg.truncate)
+                    progress=cfg.progress, truncate=cfg.truncate, kv=kv_storage(cfg))
     # thresholded gates (a ranked one has budgets: the `pattern` command draws it)
     gated = {n: p for n, p in policies.items() if needs_gate(p) and p.budget_free}
     extra = []
@@ -90,6 +91,7 @@ def run_matched(cfg: MatchedConfig, load: Loader | None = None) -> EvalOutput:
     """The reference policy, then the others at its per-example eviction."""
     from kvgate.eval.commands import finish, kept_on_interrupt, loaded, needs_gate
     from kvgate.eval.multiple_choice import evaluate_matched
+    from kvgate.eval.qa_options import kv_storage
     from kvgate.policies.base import Budget
 
     model, tokenizer, policies, store = loaded(cfg, load, cfg.build_policies())
@@ -102,7 +104,7 @@ def run_matched(cfg: MatchedConfig, load: Loader | None = None) -> EvalOutput:
                          reference_name=ref_label, reference_budget=ref_budget,
                          batch_size=cfg.batch_size, max_length=cfg.max_length,
                          progress=cfg.progress, others=others, rounding=cfg.rounding,
-                         truncate=cfg.truncate)
+                         truncate=cfg.truncate, kv=kv_storage(cfg))
     extra = []
     if cfg.patterns and needs_gate(reference):
         extra = write_patterns(model, tokenizer, tasks, {ref_label: reference},

@@ -1,6 +1,8 @@
 """The options of the commands over multiple-choice tasks: ``kvgate eval mc`` (fixed budgets),
 ``matched`` (the others at a reference policy's per-example eviction) and ``pattern`` (which
-entries a policy keeps)."""
+entries a policy keeps). ``mc`` and ``matched`` take the cache's storage (``--kv-bits``:
+:mod:`kvgate.eval.qa_options`) for ``--mode cache``; ``pattern`` draws attention masks only, so
+it has none."""
 
 from __future__ import annotations
 
@@ -19,6 +21,13 @@ from kvgate.eval.config import (
 )
 from kvgate.eval.errors import EvalError
 from kvgate.eval.options import opt
+from kvgate.eval.qa_options import (
+    kv_bits_opt,
+    kv_cache_only,
+    kv_group_opt,
+    kv_residual_opt,
+    kv_settings,
+)
 
 if TYPE_CHECKING:
     from kvgate.policies.base import Budget, Policy
@@ -71,10 +80,17 @@ class MCConfig(TaskConfig):
 
     budgets: str | list[Budget] = opt("0.5", "comma-separated budgets: kept ratios or token "
                                       "counts")
+    kv_bits: int = kv_bits_opt()
+    kv_group: int = kv_group_opt()
+    kv_residual: int = kv_residual_opt()
 
     def __post_init__(self) -> None:
         super().__post_init__()
         self.budgets = parse_budgets(self.budgets)
+        kv_cache_only(self, self.mode == "cache")  # also a refused --kv-bits value: one line
+
+    def settings(self) -> dict[str, Any]:
+        return {**super().settings(), **kv_settings(self)}
 
 
 @dataclass
@@ -93,6 +109,9 @@ class MatchedConfig(TaskConfig):
     others_on: str = opt("checkpoint", "what the other policies run on: the checkpoint's "
                          "model, or its frozen base with the LoRA adapter off (the "
                          "reference keeps it)", choices=("checkpoint", "base"))
+    kv_bits: int = kv_bits_opt()
+    kv_group: int = kv_group_opt()
+    kv_residual: int = kv_residual_opt()
 
     def __post_init__(self) -> None:
         _one_of(self.rounding, "--rounding", ("up", "nearest"))
@@ -106,6 +125,10 @@ class MatchedConfig(TaskConfig):
                                          self.reference_budget)
         self.build_reference()  # the reference and its options are checked first
         super().__post_init__()
+        kv_cache_only(self, self.mode == "cache")
+
+    def settings(self) -> dict[str, Any]:
+        return {**super().settings(), **kv_settings(self)}
 
     @property
     def reference_label(self) -> str:

@@ -1,4 +1,6 @@
-"""``kvgate eval needle``'s options: passkey retrieval by context length and depth."""
+"""``kvgate eval needle``'s options: passkey retrieval by context length and depth; the cache's
+storage (``--kv-bits``) for the scorings over a real cache (generate, rank in ``--mode
+cache``)."""
 
 from __future__ import annotations
 
@@ -8,7 +10,16 @@ from typing import Any
 from kvgate.eval.config import CorpusConfig, _at_least, _one_of, parse_numbers
 from kvgate.eval.errors import EvalError
 from kvgate.eval.options import opt
-from kvgate.eval.qa_options import check_qa, paired_opt, score_opt
+from kvgate.eval.qa_options import (
+    check_qa,
+    kv_bits_opt,
+    kv_cache_only,
+    kv_group_opt,
+    kv_residual_opt,
+    kv_settings,
+    paired_opt,
+    score_opt,
+)
 
 
 @dataclass
@@ -28,6 +39,9 @@ class NeedleConfig(CorpusConfig):
                             "compressed")
     score: str | list[str] = score_opt()
     paired: str | None = paired_opt()
+    kv_bits: int = kv_bits_opt()
+    kv_group: int = kv_group_opt()
+    kv_residual: int = kv_residual_opt()
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -40,10 +54,13 @@ class NeedleConfig(CorpusConfig):
         check_qa(self)
         if self.scoring == "rank" and self.score != ["generate"]:
             raise EvalError("--score applies to --scoring generate (rank scores by ranking)")
+        # generate always asks over a real cache; rank only in --mode cache
+        kv_cache_only(self, self.scoring == "generate" or self.mode == "cache",
+                      "--scoring rank in --mode masked")
 
     def settings(self) -> dict[str, Any]:
         scorer = ({"distractors": self.distractors} if self.scoring == "rank"
                   else {"max_new_tokens": self.max_new_tokens, "score": self.score})
         # the seed also draws the keys and the filler offsets; the sample count the offsets
         return {**super().settings(), "seed": self.seed, "samples": self.samples, **scorer,
-                "query_aware": bool(self.query_aware)}
+                "query_aware": bool(self.query_aware), **kv_settings(self)}

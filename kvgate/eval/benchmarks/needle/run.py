@@ -28,6 +28,7 @@ from typing import Any
 
 from torch import nn
 
+from kvgate.cache.quant import KVQuant
 from kvgate.eval.asked import Question
 from kvgate.eval.errors import EvalError, encode
 from kvgate.eval.masked import ScoringItem
@@ -207,14 +208,15 @@ def evaluate_needle(model: nn.Module, tokenizer: Any, texts: Sequence[str],
                     samples: int = 5, distractors: int = 9, max_new_tokens: int = 8,
                     batch_size: int = 1, seed: int = 0, progress: bool = True,
                     query_aware: bool = False, scores: Sequence[str] = ("generate",),
-                    ) -> list[str]:
+                    kv: KVQuant | None = None) -> list[str]:
     """Accuracy per (length, depth, policy, budget); returns the result keys. The question
     comes after compression unless ``query_aware`` (see the module docstring).
 
     scoring ``rank`` runs in ``mode`` (masked or cache); ``generate`` always runs over the
     compressed cache. Every prompt, with its answer (rank) or ``max_new_tokens`` (generate),
     must fit the model's context: a length that does not is refused before anything is scored
-    (a needle prompt is never cut: its length is what is measured).
+    (a needle prompt is never cut: its length is what is measured). ``kv``: how the caches
+    store kept entries (generate, or rank in cache mode; None: as the model gives them).
     """
     if scoring not in ("rank", "generate"):
         raise EvalError(f"needle scoring must be 'rank' or 'generate', got {scoring!r}")
@@ -236,7 +238,7 @@ def evaluate_needle(model: nn.Module, tokenizer: Any, texts: Sequence[str],
         qa = [Cell(task, qa_items(tokenizer, examples, max_new_tokens), extra)
               for task, extra, examples, _ in cells]
         return run_qa(model, tokenizer, NEEDLE_QA, qa, policies, budgets, store,
-                      query_aware=query_aware, scores=scores, progress=progress)
+                      query_aware=query_aware, scores=scores, progress=progress, kv=kv)
     pad = pad_id(tokenizer)
     keys = []
     pairs = sum(len(ranked) for *_, ranked in cells) * planned_runs(policies, budgets)
@@ -250,6 +252,6 @@ def evaluate_needle(model: nn.Module, tokenizer: Any, texts: Sequence[str],
                                    f"rank-{mode}" + ("" if query_aware else "-agnostic"))
                     run_items(model, ranked, policy, lambda _u, b=fixed: b,
                               mode, store, key, needle_summary, extra, batch_size, pad, tally,
-                              tokenizer=tokenizer)
+                              tokenizer=tokenizer, kv=kv)
                     keys.append(key)
     return keys

@@ -16,6 +16,7 @@ def run_ppl(cfg: PPLConfig, load: Loader | None = None) -> EvalOutput:
     """Perplexity under eviction (per text, or over fixed windows with ``context``)."""
     from kvgate.eval.benchmarks.ppl.run import evaluate_ppl
     from kvgate.eval.commands import finish, kept_on_interrupt, load_texts, loaded
+    from kvgate.eval.qa_options import kv_storage
 
     model, tokenizer, policies, store = loaded(cfg, load, cfg.build_policies())
     with kept_on_interrupt(store):
@@ -23,7 +24,8 @@ def run_ppl(cfg: PPLConfig, load: Loader | None = None) -> EvalOutput:
                      mode=cfg.mode, max_length=cfg.max_length, prefix=cfg.prefix,
                      batch_size=cfg.batch_size, progress=cfg.progress, context=cfg.context,
                      continuation=cfg.continuation, windows=cfg.windows,
-                     truncate=cfg.truncate, step=cfg.step, from_files=bool(cfg.text_files))
+                     truncate=cfg.truncate, step=cfg.step, from_files=bool(cfg.text_files),
+                     kv=kv_storage(cfg))
     return finish(store)
 
 

@@ -1,4 +1,5 @@
-"""``kvgate eval ppl``'s options: perplexity of texts' continuations under eviction."""
+"""``kvgate eval ppl``'s options: perplexity of texts' continuations under eviction; the
+cache's storage (``--kv-bits``) for ``--mode cache``."""
 
 from __future__ import annotations
 
@@ -8,6 +9,13 @@ from typing import Any
 from kvgate.eval.config import CorpusConfig, _at_least
 from kvgate.eval.errors import EvalError
 from kvgate.eval.options import opt
+from kvgate.eval.qa_options import (
+    kv_bits_opt,
+    kv_cache_only,
+    kv_group_opt,
+    kv_residual_opt,
+    kv_settings,
+)
 
 
 @dataclass
@@ -27,6 +35,9 @@ class PPLConfig(CorpusConfig):
                            "forward, the cache evicting after each (1 = decoding: H2O, TOVA, "
                            "StreamingLLM and local gates hold their capacity); default: one "
                            "forward")
+    kv_bits: int = kv_bits_opt()
+    kv_group: int = kv_group_opt()
+    kv_residual: int = kv_residual_opt()
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -39,10 +50,12 @@ class PPLConfig(CorpusConfig):
         _at_least(self.context, "--context")
         _at_least(self.continuation, "--continuation")
         _at_least(self.windows, "--windows")
+        kv_cache_only(self, self.mode == "cache")
 
     def settings(self) -> dict[str, Any]:
         step = {} if self.step is None else {"step": self.step}
+        base = {**super().settings(), **kv_settings(self)}
         if self.context is not None:  # window sizes are in the key; --windows only selects
-            return {**super().settings(), **step}
-        return {**super().settings(), "max_length": self.max_length, "prefix": self.prefix,
+            return {**base, **step}
+        return {**base, "max_length": self.max_length, "prefix": self.prefix,
                 "truncate": bool(self.truncate), **step}

@@ -14,6 +14,7 @@ from typing import Any
 
 from torch import nn
 
+from kvgate.cache.quant import KVQuant
 from kvgate.eval.errors import EvalError, encode
 from kvgate.eval.masked import ScoringItem
 from kvgate.eval.multiple_choice import check_mode, run_items
@@ -136,14 +137,16 @@ def evaluate_ppl(model: nn.Module, tokenizer: Any, texts: Sequence[str],
                  name: str = "corpus", batch_size: int = 4, progress: bool = True,
                  context: int | None = None, continuation: int | None = None,
                  windows: int | None = None, truncate: bool = False,
-                 step: int | None = None, from_files: bool = False) -> list[str]:
+                 step: int | None = None, from_files: bool = False,
+                 kv: KVQuant | None = None) -> list[str]:
     """Perplexity of the second part of each text given its compressed first part; with
     ``context``, of fixed windows of the joined texts instead (``ppl_window_items``). Inputs
     longer than the model's context are refused, or (texts, with ``truncate``) cut. ``step``
     (cache mode): the continuation is fed that many tokens per forward with an eviction round
     after each, so a decode-evicting policy (H2O, TOVA, StreamingLLM, a local gate) scores it
     while holding its capacity, as it would while generating. ``from_files``: the texts are
-    ``--text-files``' (what a refusal advises)."""
+    ``--text-files``' (what a refusal advises). ``kv`` (cache mode): how the caches store
+    kept entries (None: as the model gives them)."""
     check_mode(mode)
     if step is not None and mode != "cache":
         raise EvalError("ppl --step feeds the continuation through a real cache: use --mode cache")
@@ -169,6 +172,7 @@ def evaluate_ppl(model: nn.Module, tokenizer: Any, texts: Sequence[str],
                 key = make_key("ppl", task, pname, budget_label(bud), mode)
                 run_items(model, items, policy, lambda _u, b=fixed: b, mode, store, key,
                           ppl_summary, extra, batch_size, pad, tally,
-                          record_budget=bud is not None, tokenizer=tokenizer, step=step)
+                          record_budget=bud is not None, tokenizer=tokenizer, step=step,
+                          kv=kv)
                 keys.append(key)
     return keys
