@@ -6,28 +6,7 @@ import json
 
 import pytest
 import torch
-from conftest import build, load_script, tiny_llama_config
-from engine_toys import char_tokenizer
-
-import kvgate.models
-
-
-@pytest.fixture(scope="module")
-def cli():
-    return load_script("infer.py")
-
-
-@pytest.fixture
-def tiny_base(monkeypatch):
-    """load_base -> a tiny random model; records the calls."""
-    calls = []
-
-    def fake_load_base(name, dtype="float32", device="cpu"):
-        calls.append(name)
-        return build(tiny_llama_config()), char_tokenizer()
-
-    monkeypatch.setattr(kvgate.models, "load_base", fake_load_base)
-    return calls
+from infer_fixtures import cli_fixture, tiny_base_fixture  # noqa: F401 - cli, tiny_base
 
 
 @pytest.mark.parametrize("argv, message", [

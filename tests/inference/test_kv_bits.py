@@ -8,10 +8,10 @@ import json
 
 import pytest
 import torch
-from conftest import build, load_script, patch_evicting, tiny_llama_config, tiny_mistral_config
+from conftest import build, patch_evicting, tiny_llama_config, tiny_mistral_config
 from engine_toys import char_tokenizer
+from infer_fixtures import cli_fixture, tiny_base_fixture  # noqa: F401 - cli, tiny_base
 
-import kvgate.models
 from kvgate.cache.errors import CacheError
 from kvgate.cache.rows import PlainRows, QuantRows
 from kvgate.gate import GateConfig, patch, unpatch
@@ -132,23 +132,6 @@ def test_engine_refuses_bad_settings_in_one_line():
 
 
 # --------------------------------------------------------------------------- kvgate infer
-
-
-@pytest.fixture(scope="module")
-def cli():
-    return load_script("infer.py")
-
-
-@pytest.fixture
-def tiny_base(monkeypatch):
-    calls = []
-
-    def fake_load_base(name, dtype="float32", device="cpu"):
-        calls.append(name)
-        return build(tiny_llama_config()), char_tokenizer()
-
-    monkeypatch.setattr(kvgate.models, "load_base", fake_load_base)
-    return calls
 
 
 @pytest.mark.parametrize("argv, message", [
