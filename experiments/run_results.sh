@@ -532,6 +532,37 @@ case "${1:-all}" in
            --out $R/ruler/powered_kvzip_4k ;;
       # each gate's tau for 25 / 50 / 75% eviction at 1k / 2k / 4k, found on 4 held-out
       # haystacks of the two families (seeds 1000-1001) -> $R/calibration/GATE
+      # the papers' other heuristics at 50% (issue #65): NaCl, AhaKV, PyramidKV from one shared
+      # prefill, RoCo alone (a streamed prefill) -> $R/ruler/powered_more[_4k], powered_roco[_4k]
+      more)
+         for n in 2048 4096; do
+           sfx=""; [ $n = 4096 ] && sfx=_4k
+           kvgate eval ruler --model smollm2-135m "${pw[@]}" --lengths $n --limit 48 \
+             --policies nacl,ahakv,pyramidkv --budgets 0.5 --out $R/ruler/powered_more$sfx
+           kvgate eval ruler --model smollm2-135m "${pw[@]}" --lengths $n --limit 48 \
+             --policies roco --budgets 0.5 --out $R/ruler/powered_roco$sfx
+         done ;;
+      # 87.5% and 75% eviction (issue #65): the heuristics at 0.125, the main job's gate at the
+      # thresholds calibrated per length for 75 / 87.5% (c75 / c875), 48 a family
+      p875)
+         g=runs/cpt_kvzap_quick/gated
+         [ -f $g/kvgate_config.json ] || { kvgate data oracle --config cpt_kvzap_quick
+           kvgate train --config cpt_kvzap_quick; }
+         kvgate eval calibrate --checkpoint $g --policies local_gate --dtype bfloat16 \
+           --tasks niah_single_1,niah_single_2 --limit 2 --lengths 4096,2048 \
+           --evict 0.25,0.75,0.875 --no-progress --out $R/calibration/cpt_kvzap_quick
+         tau() {  # LENGTH TARGET -> the calibrated tau
+           python -c "import json; f=json.load(open('$R/calibration/cpt_kvzap_quick/calibration.json'))['fits']; \
+print(round(next(x['tau'] for x in f if x['length'] == $1 and x['target'] == $2), 4))"
+         }
+         for n in 2048 4096; do
+           sfx=""; [ $n = 4096 ] && sfx=_4k
+           kvgate eval ruler --checkpoint $g "${pw[@]}" --lengths $n --limit 48 \
+             --policies c75=local_gate,c875=local_gate --policy-opt c75.tau=$(tau $n 0.75) \
+             --policy-opt c875.tau=$(tau $n 0.875) --out $R/ruler/powered_cpt_kvzap_quick$sfx
+           kvgate eval ruler --model smollm2-135m "${pw[@]}" --lengths $n --limit 48 \
+             --policies tova,knorm,streaming --budgets 0.125 --out $R/ruler/powered$sfx
+         done ;;
       calibrate)
          for g in cpt_kvzap:local_gate cpt_oracle:attention_gate cpt_long:attention_gate; do
            kvgate eval calibrate --checkpoint runs/${g%%:*}/gated --policies ${g#*:} \
@@ -627,6 +658,8 @@ print(round(next(v for k, v in r.items() if '|local_gate|' in k)['held_end_pct']
          done ;;
       # the table: scores with n, paired gaps to the full cache and the best heuristic
       table) python experiments/summarize_paired.py $R/ruler/powered $R/ruler/powered_4k \
+           $R/ruler/powered_more $R/ruler/powered_more_4k $R/ruler/powered_roco \
+           $R/ruler/powered_roco_4k \
            cpt_recipe=$R/ruler/powered_cpt_recipe cpt_recipe=$R/ruler/powered_cpt_recipe_4k \
            cpt_long=$R/ruler/powered_cpt_long cpt_long=$R/ruler/powered_cpt_long_4k \
            cpt_oracle=$R/ruler/powered_cpt_oracle cpt_oracle=$R/ruler/powered_cpt_oracle_4k \
@@ -650,7 +683,7 @@ print(round(next(v for k, v in r.items() if '|local_gate|' in k)['held_end_pct']
                  echo --place ${g%%:*}:e25=0.75 --place $g=0.5 --place ${g%%:*}:e75=0.25 \
                    --place ${g%%:*}:c75=0.25; done)
          done ;;
-      *) echo "powered: PART must be heuristics, kvzip, sweep, cpt_long, cpt_recipe, cpt_oracle, cpt_kvzap, decode, decode_held, screen, agree or table" >&2
+      *) echo "powered: PART must be heuristics, kvzip, sweep, more, p875, cpt_long, cpt_recipe, cpt_oracle, cpt_kvzap, decode, decode_held, screen, agree or table" >&2
          exit 2 ;;
     esac ;;
   ruler)  # PART: issue #34's long-context table (docs/RESULTS.md section 3), the question
@@ -726,16 +759,19 @@ print(round(next(v for k, v in r.items() if '|local_gate|' in k)['held_end_pct']
       cpt_recipe=$R/ruler/cpt_recipe "${extra[@]}" \
       --tasks niah_single_1,niah_single_2,niah_multikey_1,qa_1 ;;
   kvbits) # issue #67: kept K/V stored in 8 / 4 bits (--kv-bits), RULER's two NIAH families at
-    # 2k as RESULTS 3 (48 a family, bf16, teacher-scored): the full cache and TOVA at 0.5, the
-    # cpt_kvzap gate at its threshold; 16 bits are RESULTS 3's own records; then the table
+    # 2k and 4k as RESULTS 3 (48 a family, bf16, teacher-scored): the full cache and TOVA at 0.5,
+    # the cpt_kvzap gate at its threshold; 16 bits are RESULTS 3's own records; then the tables
     pw=(--tasks niah_single_1,niah_single_2 --score teacher --dtype bfloat16 --no-progress
-        --lengths 2048 --limit 48)
-    for b in 8 4; do
-      kvgate eval ruler --model smollm2-135m "${pw[@]}" --policies full,tova --budgets 0.5 \
-        --kv-bits $b --out $R/ruler/kvbits$b
-      kvgate eval ruler --checkpoint runs/cpt_kvzap/gated "${pw[@]}" --policies local_gate \
-        --kv-bits $b --out $R/ruler/kvbits${b}_cpt_kvzap
-    done
-    python experiments/summarize_kvbits.py ;;
+        --limit 48)
+    for n in 2048 4096; do
+      sfx=""; [ $n = 4096 ] && sfx=_4k
+      for b in 8 4; do
+        kvgate eval ruler --model smollm2-135m "${pw[@]}" --lengths $n --policies full,tova \
+          --budgets 0.5 --kv-bits $b --out $R/ruler/kvbits$b$sfx
+        kvgate eval ruler --checkpoint runs/cpt_kvzap/gated "${pw[@]}" --lengths $n \
+          --policies local_gate --kv-bits $b --out $R/ruler/kvbits${b}_cpt_kvzap$sfx
+      done
+      python experiments/summarize_kvbits.py --length $n
+    done ;;
   *) echo "usage: $0 base|cpt|sft|gate CKPT OUT|sfteval|ppl CKPT OUT BUDGETS|ablation|pplctx CTX CONT WINDOWS OUT GATE...|needle|mcshort|mctasks|mctasksall|mctaskslora|mctasksseed1|mctasksbidir|mctasksb22|mctasks3shot|mctasksranked|mcselect NAME OUT HEUR...|mcfewshot NAME K LIMIT [TASKS]|pplseed SEED|ctx256seed SEED|curve256 PART|ctx256b25 SEED|ctx256b15 SEED|ctx256b05 SEED|ctx256band32 SEED|curve256b25 SEED...|curve256b15 SEED...|curve256band32 SEED...|curve256band32low SEED...|curve256band32mid SEED...|ctx1024band64 SEED|ctx1024band64more SEED|select CONTEXT SELECTOR[:TAU] NAME...|ranked CONTEXT NAME...|h2or32|headroom|ruler PART|powered PART|kvbits" >&2; exit 2 ;;
 esac

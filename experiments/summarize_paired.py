@@ -34,7 +34,7 @@ from kvgate.eval.intervals import share_interval
 from kvgate.eval.paired import paired_difference
 
 HEURISTICS = ("streaming", "h2o", "tova", "snapkv", "knorm", "adakv", "tova_g", "snapkv_g",
-              "h2o_g", "pyramidkv", "nacl", "ahakv", "window", "random")
+              "h2o_g", "pyramidkv", "nacl", "ahakv", "roco", "window", "random")
 
 
 def load(specs, budget):
