@@ -28,6 +28,14 @@ _MASK_ELEMS = 1 << 26
 # Query rows per block of the blocked path: the masked window is rows + band keys wide, the
 # dense prefix is shared by the block's rows (larger blocks: fewer calls, more masked work).
 _BLOCK_ROWS = 256
+# The blocked path's dense prefix is padded (masked) to a multiple of this many keys. Why: on a
+# CPU with AMX, SDPA's fused kernel in bf16 / fp16 runs its matmuls as oneDNN brgemm kernels
+# kept in a thread-local cache keyed by their shapes that is never emptied (ATen's
+# CPUBlas.cpp, ``KernelCache``), tens of KB per distinct key length. The prefix length (kept
+# keys before the block) differs per layer, block and example, so a RULER eval of a gate grew
+# that cache by tens of MB per 4k example, GBs over 96 examples; padded, there are at most
+# prompt / 64 lengths, and the kernel's key blocks (512 long) have at most 8 tail sizes.
+_PREFIX_STEP = 64
 
 
 def prompt_attention(policy: Policy, prompt: LayerPrompt, keep: Tensor, mask: Tensor | None,
@@ -195,9 +203,10 @@ def _blocked(query: Tensor, key: Tensor, value: Tensor, keep: Tensor, valid: Ten
 
     For rows ``[lo, hi)`` the keys split in two disjoint sets: positions ``<= lo - band``,
     visible to every row of the block iff kept (a dense prefix of the kept keys, gathered per
-    KV head in position order; the shorter heads' padding is one column mask shared by all
-    rows), and the window ``(lo - band, hi)``, masked row by row as eq. 5 says. The two
-    attentions are merged by their log-sum-exps, which is exact.
+    KV head in position order, padded to a multiple of ``_PREFIX_STEP`` keys; the shorter
+    heads' padding is one column mask shared by all rows), and the window ``(lo - band, hi)``,
+    masked row by row as eq. 5 says. The two attentions are merged by their log-sum-exps,
+    which is exact.
     """
     b, h, n, d = query.shape
     hk, dv = key.shape[1], value.shape[-1]
@@ -228,7 +237,10 @@ def _blocked(query: Tensor, key: Tensor, value: Tensor, keep: Tensor, valid: Ten
         pre = count[..., lo - band] if lo - band >= 0 else count.new_zeros(b, hk)
         m = int(pre.max())
         if m:
-            short = pos[:m] >= pre[..., None]  # [B, Hk, m]: padding of the shorter heads
+            # a bounded set of shapes (_PREFIX_STEP); m <= lo < n, so every column is a key
+            m = min(-(-m // _PREFIX_STEP) * _PREFIX_STEP, lo)
+            # [B, Hk, m]: padding of the shorter heads, and the columns past every head's
+            short = pos[:m] >= pre[..., None]
             cmask = _additive(short[:, :, None], query.dtype) if bool(short.any()) else None
             o_pre, lse_pre = _attend(q, k_sorted[:, :, :m], v_sorted[:, :, :m], cmask, scaling)
             # a head with no old kept key sees nothing here (the fused kernel reports 0, not
