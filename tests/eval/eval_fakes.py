@@ -85,3 +85,18 @@ def cli(capsys, *argv):
 def results(folder: Path) -> dict:
     """The stored results of an eval ``--out`` folder, by key."""
     return json.loads((Path(folder) / "results.json").read_text())["results"]
+
+
+def fake_loader(monkeypatch, model, make_tokenizer) -> list:
+    """``kvgate eval``'s model loader -> ``model`` and a fresh ``make_tokenizer()`` per load;
+    returns the list of configs it was called with."""
+    import kvgate.eval.commands
+
+    loads = []
+
+    def load(cfg):
+        loads.append(cfg)
+        return model, make_tokenizer(), {"model": "tiny", "checkpoint": None}
+
+    monkeypatch.setattr(kvgate.eval.commands, "load_model", load)
+    return loads

@@ -12,9 +12,8 @@ from pathlib import Path
 
 import pytest
 from conftest import build, patch_evicting, tiny_llama_config
-from eval_fakes import CharTokenizer, cli, results
+from eval_fakes import CharTokenizer, cli, fake_loader, results
 
-import kvgate.eval.commands
 from kvgate.cache.compressed import CompressedCache
 from kvgate.cache.quant import KVQuant
 from kvgate.eval.benchmarks.ppl.run import evaluate_ppl
@@ -42,14 +41,7 @@ def model():
 @pytest.fixture
 def tiny(monkeypatch, model):
     """The eval loader -> the tiny model; records the loads."""
-    loads = []
-
-    def load(cfg):
-        loads.append(cfg)
-        return model, CharTokenizer(), {"model": "tiny", "checkpoint": None}
-
-    monkeypatch.setattr(kvgate.eval.commands, "load_model", load)
-    return loads
+    return fake_loader(monkeypatch, model, CharTokenizer)
 
 
 @pytest.fixture

@@ -11,9 +11,8 @@ from pathlib import Path
 
 import pytest
 from conftest import build, tiny_llama_config
-from eval_fakes import cli, results
+from eval_fakes import cli, fake_loader, results
 
-import kvgate.eval.commands
 from kvgate.data.longctx import LongExample
 from kvgate.eval import runner
 from kvgate.eval.benchmarks.longbench.run import as_asked, build_items
@@ -63,14 +62,7 @@ def model():
 
 @pytest.fixture
 def loads(monkeypatch, model):
-    calls = []
-
-    def load(cfg):
-        calls.append(cfg)
-        return model, char_tokenizer(), {"model": "tiny", "checkpoint": None}
-
-    monkeypatch.setattr(kvgate.eval.commands, "load_model", load)
-    return calls
+    return fake_loader(monkeypatch, model, char_tokenizer)
 
 
 

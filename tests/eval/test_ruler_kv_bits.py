@@ -9,9 +9,8 @@ from pathlib import Path
 
 import pytest
 from conftest import build, tiny_llama_config
-from eval_fakes import cli, results
+from eval_fakes import cli, fake_loader, results
 
-import kvgate.eval.commands
 from kvgate.cache.quant import KVQuant
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "inference"))
@@ -25,14 +24,7 @@ BASE = ["eval", "ruler", "--model", "x", "--tasks", "niah_single_1,vt", "--lengt
 @pytest.fixture
 def tiny(monkeypatch):
     model = build(tiny_llama_config(max_position_embeddings=640))
-    loads = []
-
-    def load(cfg):
-        loads.append(cfg)
-        return model, char_tokenizer(), {"model": "tiny", "checkpoint": None}
-
-    monkeypatch.setattr(kvgate.eval.commands, "load_model", load)
-    return loads
+    return fake_loader(monkeypatch, model, char_tokenizer)
 
 
 def test_ruler_at_8_bits_end_to_end(capsys, tiny, tmp_path, monkeypatch):

@@ -19,14 +19,19 @@ def cli_fixture():
     return load_script("infer.py")
 
 
-@pytest.fixture(name="tiny_base")
-def tiny_base_fixture(monkeypatch):
-    """load_base -> a tiny random model; records the calls."""
+def fake_base(monkeypatch, make_tokenizer) -> list:
+    """load_base -> a tiny random model and ``make_tokenizer()``; returns the names loaded."""
     calls = []
 
     def fake_load_base(name, dtype="float32", device="cpu"):
         calls.append(name)
-        return build(tiny_llama_config()), char_tokenizer()
+        return build(tiny_llama_config()), make_tokenizer()
 
     monkeypatch.setattr(kvgate.models, "load_base", fake_load_base)
     return calls
+
+
+@pytest.fixture(name="tiny_base")
+def tiny_base_fixture(monkeypatch):
+    """load_base -> a tiny random model; records the calls."""
+    return fake_base(monkeypatch, char_tokenizer)

@@ -7,6 +7,7 @@ import pytest
 import torch
 from conftest import build, tiny_llama_config, tiny_mistral_config
 from engine_toys import char_tokenizer
+from infer_fixtures import fake_base
 
 from kvgate.cache.fork import fork_cache
 from kvgate.inference import Engine
@@ -169,16 +170,7 @@ def test_errors(llama):
 
 @pytest.fixture
 def tiny_base(monkeypatch):
-    import kvgate.models
-
-    calls = []
-
-    def fake_load_base(name, dtype="float32", device="cpu"):
-        calls.append(name)
-        return build(tiny_llama_config()), chat_tokenizer()
-
-    monkeypatch.setattr(kvgate.models, "load_base", fake_load_base)
-    return calls
+    return fake_base(monkeypatch, chat_tokenizer)
 
 
 def test_cli_context_file_and_questions(tiny_base, capsys, tmp_path):
