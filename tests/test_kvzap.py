@@ -111,8 +111,8 @@ def test_kvzaps_rule_holds_exactly_the_entries_above_the_threshold_or_in_the_win
     base = build(config) if arch == "llama" else build_causal_lm(config)
     tensors = kvzap_folder(tmp_path / "kvzap", config, hidden_dim)
     model, _, _ = load_gated(tmp_path / "kvzap", base=base)
-    threshold, window = 0.0, 4
-    policy = get_policy("local_gate", threshold=threshold, window=window)
+    threshold, window = 0.0, 4  # KVzap's rule after every step (interval 1)
+    policy = get_policy("local_gate", threshold=threshold, window=window, interval=1)
     ids = torch.randint(1, 100, (1, 16), generator=torch.Generator().manual_seed(2))
     evicted, held_bytes = [], []
 

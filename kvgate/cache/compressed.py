@@ -37,7 +37,7 @@ from torch import Tensor, nn
 from kvgate.attention.decode import KVPart, multipart_attention
 from kvgate.cache.capacity import check_decode_budget, decode_capacity
 from kvgate.cache.errors import CacheError
-from kvgate.cache.evict import decode_round, flush_tail
+from kvgate.cache.evict import decode_round, flush_tail, round_due
 from kvgate.cache.handler import HandlerCache
 from kvgate.cache.passes import defers_choice, pass_attention, stash_layer
 from kvgate.cache.prefill import (
@@ -74,6 +74,10 @@ class _Layer:
     capacity: Tensor | None = None  # [B, H_kv] decode budget (decode-evicting policies)
     stats: dict[str, Tensor] = field(default_factory=dict)  # [B, H_kv, T] per-slot policy state
     pending: bool = False  # update() seen, attend() not yet
+    # the new rows written since the last eviction round, which a RowScoring policy scores at
+    # the next one (kvgate.cache.evict.round_due)
+    unscored: list[LayerPrompt] = field(default_factory=list)
+    unscored_rows: int = 0  # their rows
     scores: Tensor | None = None  # [B, H_kv, T] an all-layer choice's scores (cache.passes)
     forced: Tensor | None = None  # [B, H_kv, T] bool, its forced entries
 
@@ -364,6 +368,8 @@ class CompressedCache(HandlerCache):
         base_k, base_v = store.base_kv()
         tail_k, tail_v = store.tail_kv()
         evict = isinstance(self.policy, DecodeEvicting) if evict is None else evict
+        # a decode step ends with a round only every `interval` rows (RowScoring policies)
+        evict = evict and (prefill or round_due(self.policy, layer, written))
         # slot positions cost a gather over the base: only when a window or a policy needs them
         positions = store.slot_positions() if (evict or window) else None  # [B, H_kv, T]
         # [B, H_kv, 1, T] the real slots, holes left out, read off the positions when there
@@ -391,8 +397,9 @@ class CompressedCache(HandlerCache):
         layer.seen += r
         layer.real_seen = layer.real_seen + (r if all_valid else valid.sum(-1))
         if evict:
-            fresh = {} if written is None else self.policy.row_stats(written)
-            decode_round(self.policy, layer, logits, positions, prefill, fresh, seen[:, :, 0])
+            if prefill and written is not None:  # a streamed block rounds at once
+                layer.unscored.append(written)
+            decode_round(self.policy, layer, logits, positions, prefill, seen[:, :, 0])
         flush_tail(layer)  # a quantized store's full-precision tail joins its base
         return out
 

@@ -5,6 +5,11 @@ what a ``RowScoring`` policy's ``row_stats`` gave for the new rows), ``decode_se
 which slots stay, and what leaves is dropped from the store (``RaggedStore.evict``: marked
 as holes, compacted once they pass a share). ``flush_tail``: a quantized store's tail joins
 its base every ``TAIL_MAX`` tokens, under any policy.
+
+``round_due``: a ``RowScoring`` policy's rounds wait for ``interval`` rows (its rows are
+scored at the round, all at once); the rows written since the last round are the layer's
+``unscored`` rows, and they stay the store's last slots until the round, because only a round
+(its compaction) or ``flush_tail`` moves slots, and a due flush makes the round due first.
 """
 
 from __future__ import annotations
@@ -15,7 +20,7 @@ import torch
 from torch import Tensor
 
 from kvgate.cache.ragged import TAIL_MAX
-from kvgate.policies.contract import DecodeEvicting, PolicyError
+from kvgate.policies.contract import DecodeEvicting, LayerPrompt, PolicyError, RowScoring
 
 
 def grown_stats(stats: dict[str, Tensor], fresh: dict[str, Tensor], slots: int
@@ -34,14 +39,28 @@ def grown_stats(stats: dict[str, Tensor], fresh: dict[str, Tensor], slots: int
     return out
 
 
+def round_due(policy: DecodeEvicting, layer: Any, written: LayerPrompt | None) -> bool:
+    """Whether the decode step that wrote ``written`` (the new rows, for a ``RowScoring``
+    policy) ends with an eviction round; the rows join ``layer.unscored`` until it does."""
+    if not isinstance(policy, RowScoring):
+        return True
+    layer.unscored.append(written)
+    layer.unscored_rows += written.valid.shape[1]
+    return layer.unscored_rows >= policy.interval or flush_due(layer.store)
+
+
 def decode_round(policy: DecodeEvicting, layer: Any, logits: Tensor, positions: Tensor,
-                 prefill: bool, fresh: dict[str, Tensor], slot_valid: Tensor | None = None,
-                 ) -> None:
+                 prefill: bool, slot_valid: Tensor | None = None) -> None:
     """One ``decode_select`` round over a layer's stored slots (``layer``: the cache's
-    per-layer state, whose ``store`` and ``stats`` it updates). logits ``[B, H, r, T]`` of the
-    new rows, positions ``[B, H_kv, T]`` (-1 at empty slots), ``slot_valid`` ``positions >= 0``
-    when the caller has it."""
+    per-layer state, whose ``store``, ``stats`` and ``unscored`` rows it updates). logits
+    ``[B, H, r, T]`` of the new rows, positions ``[B, H_kv, T]`` (-1 at empty slots),
+    ``slot_valid`` ``positions >= 0`` when the caller has it. A ``RowScoring`` policy's rows
+    written since the last round are scored here, in one call."""
     store = layer.store
+    fresh = {}
+    if layer.unscored:
+        fresh = policy.row_stats(LayerPrompt.joined(layer.unscored))
+        layer.unscored, layer.unscored_rows = [], 0
     slot_valid = positions >= 0 if slot_valid is None else slot_valid
     stats = grown_stats(layer.stats, fresh, slot_valid.shape[-1])
     stats, keep = policy.decode_select(stats, logits, slot_valid, positions, layer.capacity,
@@ -62,11 +81,16 @@ def decode_round(policy: DecodeEvicting, layer: Any, logits: Tensor, positions: 
     layer.stats = dict(stats)
 
 
+def flush_due(store: Any) -> bool:
+    """Whether ``flush_tail`` compacts the store now."""
+    return store.kv.quantized and store.tail_len >= TAIL_MAX
+
+
 def flush_tail(layer: Any) -> None:
     """A quantized store's tail (full precision) joins its base, quantized, once it holds
     ``TAIL_MAX`` tokens, whether or not anything was evicted (a one-shot policy's decode never
     compacts otherwise); the layer's per-slot statistics follow the new layout."""
     store = layer.store
-    if store.kv.quantized and store.tail_len >= TAIL_MAX:
+    if flush_due(store):
         moves = store.rebuild(store.slot_valid())
         layer.stats = {k: store.realign(v, moves) for k, v in layer.stats.items()}

@@ -31,6 +31,8 @@ def fork_layer(layer: _Layer) -> _Layer:
         real_seen=None if layer.real_seen is None else layer.real_seen.clone(),
         capacity=None if layer.capacity is None else layer.capacity.clone(),
         stats={k: v.clone() for k, v in layer.stats.items()},
+        unscored=list(layer.unscored),  # never written into: the rows themselves are shared
+        unscored_rows=layer.unscored_rows,
     )
 
 

@@ -158,6 +158,29 @@ class LayerPrompt:
                        previous_hidden=None if prev is None else prev[:, lo:hi],
                        lse=None if self.lse is None else self.lse[..., lo:hi])
 
+    @staticmethod
+    def joined(parts: Sequence[LayerPrompt]) -> LayerPrompt:
+        """Consecutive row blocks of one layer as one block (``span``'s inverse): the rows a
+        ``RowScoring`` policy scores at once when its eviction rounds wait (``interval``)."""
+        if len(parts) == 1:
+            return parts[0]
+
+        def cat(get: Callable[[LayerPrompt], Any], dim: int) -> Any:
+            first = get(parts[0])
+            if first is None:
+                return None
+            if isinstance(first, tuple):  # the rotary (cos, sin)
+                return tuple(torch.cat([get(p)[i] for p in parts], dim)
+                             for i in range(len(first)))
+            return torch.cat([get(p) for p in parts], dim)
+
+        return replace(parts[0], query=cat(lambda p: p.query, 2), key=cat(lambda p: p.key, 2),
+                       value=cat(lambda p: p.value, 2), valid=cat(lambda p: p.valid, 1),
+                       hidden=cat(lambda p: p.hidden, 1),
+                       position_embeddings=cat(lambda p: p.position_embeddings, 1),
+                       previous_hidden=cat(lambda p: p.previous_hidden, 1),
+                       lse=cat(lambda p: p.lse, -1))
+
 
 class Policy(ABC):
     """The one-shot contract. Subclasses are dataclasses with validated options and implement
@@ -221,7 +244,17 @@ class RowScoring(DecodeEvicting):
     written: a local gate (KVzap, arXiv:2601.07891) reads only the token's hidden state, so a
     generated token gets its keep score as it enters the cache, like a prompt token at the
     prefill. Before each ``decode_select`` the cache calls ``row_stats`` on the new rows and
-    stores what it returns in their slots (where other policies' new slots start at 0)."""
+    stores what it returns in their slots (where other policies' new slots start at 0).
+
+    ``interval``: decode rows between eviction rounds. Since a row's score needs nothing but
+    its own row, scoring may wait: the cache keeps the rows written since the last round and,
+    once there are ``interval`` of them (or sooner, before a quantized store's tail is
+    compacted: ``kvgate.cache.evict.round_due``), scores them in one ``row_stats`` call and
+    runs one ``decode_select`` round; until then nothing is evicted, so the cache holds up to
+    ``interval - 1`` rows more than the rule keeps. 1: a round after every attention call.
+    A streamed prefill (``prefill=True``) rounds after every block whatever this is."""
+
+    interval: int = 1
 
     @abstractmethod
     def row_stats(self, rows: LayerPrompt) -> dict[str, Tensor]:

@@ -23,6 +23,16 @@ other, not both). The budget does not enter (``budget_free``): the eviction rati
 The gate's ``sinks`` are the prompt's first tokens and stay (decode rows are never sinks), as
 do the last ``recent`` prompt tokens of a gate trained one-shot (``GateConfig.prefill`` full),
 which it trained to keep.
+
+``interval`` (default 16): while decoding, the rule runs once every ``interval`` new rows
+instead of after every one, as kvpress's ``DecodingPress`` compresses every
+``compression_interval`` steps (``RowScoring.interval``): the rows written since the last
+round are scored by one call of the gate (one matrix product over ``interval`` rows instead of
+``interval`` products over one) and the tokens that left the window meanwhile go in one round.
+The kept set right after a round is the one the rule gives evicting step by step; between
+rounds up to ``interval - 1`` tokens that left the window wait, so a decoding row sees at most
+the last ``window + interval - 1`` tokens besides the entries above the threshold. 1: the rule
+after every step (as before the option, and how the stored results were decoded).
 """
 
 from __future__ import annotations
@@ -64,6 +74,9 @@ class LocalGatePolicy(EncodeMasking, RowScoring):
     # KVzap's rule: keep a raw score >= threshold (tau's twin); stored only when set, so the
     # results stored before it existed still match
     threshold: float | None = field(default=None, metadata={"omit_default": True})
+    # decode rows per eviction round; left out of the stored spec at 1, the behaviour of the
+    # results stored before it existed, so that those match only runs that decode alike
+    interval: int = field(default=16, metadata={"omit_at": 1})
 
     name = "local_gate"
     needs_attention = False
@@ -80,6 +93,7 @@ class LocalGatePolicy(EncodeMasking, RowScoring):
                 raise PolicyError(f"policy {self.name}: give tau (a keep probability) or "
                                   "threshold (a raw score, KVzap's units), not both")
         check_int(self.name, "window", self.window, 0)
+        check_int(self.name, "interval", self.interval, 1)
         if self.prefill is not None:
             check_choice(self.name, "prefill", self.prefill, get_args(GatePrefill))
 

@@ -9,7 +9,7 @@ know it, in that process only.
 
 from __future__ import annotations
 
-from dataclasses import fields, is_dataclass
+from dataclasses import Field, fields, is_dataclass
 from typing import Any
 
 from kvgate.policies.adakv import AdaKV
@@ -109,12 +109,21 @@ def policy_spec(policy: Policy) -> dict[str, Any]:
         return repr(value)
 
     # an option added after results were stored (``allocation``) is written only when it is
-    # not at its default, so the specs stored before it still match
-    quiet = {f.name for f in fields(policy) if f.metadata.get("omit_default")
-             and getattr(policy, f.name) == f.default} if is_dataclass(policy) else set()
+    # not at its default, so the specs stored before it still match; one whose default
+    # changes what was stored (local_gate's ``interval``) is left out only at ``omit_at``,
+    # the value that behaves as before it existed
+    quiet = {f.name for f in fields(policy) if _quiet(f, getattr(policy, f.name))
+             } if is_dataclass(policy) else set()
     return {"policy": policy.name,
             "options": {key: plain(getattr(policy, key)) for key in policy_options(type(policy))
                         if key not in quiet}}
+
+
+def _quiet(option: Field, value: Any) -> bool:
+    """Whether ``policy_spec`` leaves ``option`` at ``value`` out of the spec."""
+    if "omit_at" in option.metadata:
+        return value == option.metadata["omit_at"]
+    return bool(option.metadata.get("omit_default")) and value == option.default
 
 
 def get_policy(name: str, **options: Any) -> Policy:

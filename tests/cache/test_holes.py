@@ -62,13 +62,15 @@ def test_a_long_tail_is_compacted_even_without_holes_enough():
 @pytest.mark.parametrize("kind", ["mlp", "linear"])
 def test_decoding_with_holes_equals_decoding_with_a_compaction_each_step(kind, monkeypatch):
     """The same tokens, kept entries and attention outputs whether evictions wait as holes or
-    are compacted at once (HOLE_SHARE 0: the old behaviour)."""
+    are compacted at once (HOLE_SHARE 0: the old behaviour); a round every step (interval 1)
+    so that the 12 steps evict."""
     model = build(tiny_llama_config())
     patch_evicting(model, kind)
     ids = torch.randint(1, 100, (2, 24), generator=torch.Generator().manual_seed(4))
 
     def run():
-        cache = CompressedCache(model, get_policy("local_gate", window=4), Budget(ratio=1.0))
+        cache = CompressedCache(model, get_policy("local_gate", window=4, interval=1),
+                                Budget(ratio=1.0))
         steps, counts = [], []
         with torch.no_grad():
             out = model(ids, past_key_values=cache)

@@ -57,8 +57,9 @@ def runs(checkpoint: Path, policy: str, text: Path, out: Path) -> list[list[str]
     """The three command lines run on one export: RULER (two tasks, two examples each), MC
     (COPA, two examples) and perplexity (two windows, masked and cached)."""
     common = ["--checkpoint", str(checkpoint), "--no-progress"]
-    if policy == "local_gate":  # a window shorter than the texts, or nothing would go
-        common += ["--policy-opt", "local_gate.window=4"]
+    if policy == "local_gate":  # a window shorter than the texts, or nothing would go; a
+        # round after every decode step, as the records were taken (#65 made 16 the default)
+        common += ["--policy-opt", "local_gate.window=4", "--policy-opt", "local_gate.interval=1"]
     others = ["full"]
     if policy == "attention_gate":
         # once: the one-shot policies' shared prefill and KVzip's variants' shared passes

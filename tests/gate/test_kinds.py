@@ -109,18 +109,19 @@ def _above(model, layer: int, hidden: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("kind", LOCAL)
-@pytest.mark.parametrize("prefill", ["gated", "full"])
-def test_local_gate_decoding_holds_the_cache_at_threshold_plus_window(kind, prefill):
+@pytest.mark.parametrize("prefill,interval", [("gated", 1), ("full", 1), ("gated", 4)])
+def test_local_gate_decoding_holds_the_cache_at_threshold_plus_window(kind, prefill, interval):
     """During a decode of several steps every KV head holds exactly the tokens whose keep
     probability is above tau plus the last ``window`` tokens, generated tokens included (each
-    scored from its own hidden state, recorded here as the forward ran)."""
+    scored from its own hidden state, recorded here as the forward ran); with rounds every
+    ``interval`` steps, the window as of the last round."""
     model = build(tiny_llama_config())
     patch_evicting(model, kind)
     window, steps = 3, 6
     ids, mask, pos = _inputs(n=12)
     real = mask.bool()
-    cache = CompressedCache(model, get_policy("local_gate", window=window, prefill=prefill),
-                            Budget(ratio=1.0))
+    cache = CompressedCache(model, get_policy("local_gate", window=window, prefill=prefill,
+                                              interval=interval), Budget(ratio=1.0))
     seen: dict[int, list[torch.Tensor]] = {}  # each layer's gate input, per forward
 
     def tap(module, query, key, value, attn_mask, scaling, call):
@@ -135,7 +136,8 @@ def test_local_gate_decoding_holds_the_cache_at_threshold_plus_window(kind, pref
                     prompt, *decoded = seen[layer]
                     hidden = torch.cat([prompt[b, real[b]], *(h[b] for h in decoded)])[None]
                     length = hidden.shape[1]
-                    recent = torch.arange(length) >= length - window
+                    # the rows written since the last round wait, and so does its window
+                    recent = torch.arange(length) >= length - window - step % interval
                     want = _above(model, layer, hidden)[0] | recent  # [H_kv, length]
                     assert torch.equal(_held(cache, layer, length)[b], want), (step, layer, b)
                     assert torch.equal(cache.kept_counts(layer)[b], want.sum(-1))
@@ -161,8 +163,9 @@ def test_local_gate_prefill_equals_feeding_the_prompt_token_by_token(kind, extra
     patch_evicting(model, kind, recent=window + 1, **extra)
     ids = torch.randint(1, 128, (1, 12), generator=torch.Generator().manual_seed(3))
 
-    def cache():
-        return CompressedCache(model, get_policy("local_gate", window=window), Budget(ratio=1.0))
+    def cache():  # a round after every token (interval 1), as a prompt row sees it
+        return CompressedCache(model, get_policy("local_gate", window=window, interval=1),
+                               Budget(ratio=1.0))
 
     with torch.no_grad():
         trained = model(ids).logits
