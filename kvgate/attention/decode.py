@@ -5,6 +5,8 @@ appended since). Concatenating them every decode step would copy the whole cache
 dense cache does with ``torch.cat``); instead each part is scored on its own, the small
 logit rows are joined for one softmax, and the outputs are summed. GQA is handled by folding
 the query heads of a group into the row axis, so keys are never repeated per query head.
+A part is dense (``KVPart``: ``[B, H_kv, T, d]``) or held in pages per KV head
+(``kvgate.attention.paged.PagedKV``: a ragged base read where it lies).
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ from typing import NamedTuple
 
 import torch
 from torch import Tensor
+
+from kvgate.attention.paged import PagedKV, paged_logits, paged_output
 
 
 class KVPart(NamedTuple):
@@ -25,7 +29,11 @@ class KVPart(NamedTuple):
     visible: Tensor | None
 
 
-def multipart_attention(query: Tensor, parts: list[KVPart], scaling: float,
+def _length(part: KVPart | PagedKV) -> int:
+    return part.slots if isinstance(part, PagedKV) else part.keys.shape[2]
+
+
+def multipart_attention(query: Tensor, parts: list[KVPart | PagedKV], scaling: float,
                         return_logits: bool = False) -> tuple[Tensor, Tensor | None]:
     """Softmax attention of ``query`` [B, H, r, d] over the concatenation of ``parts``.
 
@@ -35,15 +43,16 @@ def multipart_attention(query: Tensor, parts: list[KVPart], scaling: float,
     give zeros, as SDPA does.
     """
     b, h, r, d = query.shape
-    parts = [p for p in parts if p.keys.shape[2] > 0]
+    parts = [p for p in parts if _length(p) > 0]
     if not parts:
         raise ValueError("multipart_attention: no keys to attend to")
-    hk = parts[0].keys.shape[1]
+    hk = parts[0].kv_heads if isinstance(parts[0], PagedKV) else parts[0].keys.shape[1]
     g = h // hk
     q = query.reshape(b, hk, g * r, d)
     scores = []
-    for part in parts:
-        s = torch.matmul(q, part.keys.transpose(-1, -2))
+    for part in parts:  # a loop over the (two) parts
+        s = (paged_logits(q, part) if isinstance(part, PagedKV)
+             else torch.matmul(q, part.keys.transpose(-1, -2)))
         s = (s if s.dtype == torch.float32 else s.float()).mul_(scaling)
         if part.visible is not None:
             t = s.shape[-1]
@@ -57,10 +66,10 @@ def multipart_attention(query: Tensor, parts: list[KVPart], scaling: float,
     out = None
     start = 0
     for part in parts:
-        t = part.keys.shape[2]
+        t = _length(part)
         p = probs[..., start:start + t]
         p = p if p.dtype == part.values.dtype else p.to(part.values.dtype)
-        o = torch.matmul(p, part.values)
+        o = paged_output(p, part) if isinstance(part, PagedKV) else torch.matmul(p, part.values)
         out = o if out is None else out + o
         start += t
     out = out.view(b, hk, g, r, d).reshape(b, h, r, d).transpose(1, 2)

@@ -35,6 +35,7 @@ import torch
 from torch import Tensor, nn
 
 from kvgate.attention.decode import KVPart, multipart_attention
+from kvgate.attention.paged import PagedKV
 from kvgate.cache.capacity import check_decode_budget, decode_capacity
 from kvgate.cache.errors import CacheError
 from kvgate.cache.evict import decode_round, flush_tail, round_due
@@ -365,7 +366,6 @@ class CompressedCache(HandlerCache):
             qpos = positions_after(valid, layer.real_seen)
         store.append(key, value, qpos, padded=not all_valid)
         tb = store.base_len
-        base_k, base_v = store.base_kv()
         tail_k, tail_v = store.tail_kv()
         evict = isinstance(self.policy, DecodeEvicting) if evict is None else evict
         # a decode step ends with a round only every `interval` rows (RowScoring policies)
@@ -391,9 +391,13 @@ class CompressedCache(HandlerCache):
         if holes is not None:
             kept = ~holes if seen is None else seen[..., tb:]
             tail_vis = kept if tail_vis is None else tail_vis & kept
-        out, logits = multipart_attention(
-            query, [KVPart(base_k, base_v, base_vis), KVPart(tail_k, tail_v, tail_vis)],
-            scaling, return_logits=evict)
+        if store.paged:  # a ragged base read in its pages, where it lies (never None: ragged)
+            keys, values, seg, grid = store.pages()
+            base = PagedKV(keys, values, base_vis, seg, grid, tb, store.kv_heads)
+        else:  # a view of a uniform base, or a flat one gathered padded
+            base = KVPart(*store.base_kv(), base_vis)
+        out, logits = multipart_attention(query, [base, KVPart(tail_k, tail_v, tail_vis)],
+                                          scaling, return_logits=evict)
         layer.seen += r
         layer.real_seen = layer.real_seen + (r if all_valid else valid.sum(-1))
         if evict:

@@ -124,6 +124,12 @@ class Packed:
                       self.scale.new_empty(n, self.scale.shape[1]),
                       self.zero.new_empty(n, self.zero.shape[1]), self.bits)
 
+    def zeros(self, n: int) -> Packed:
+        """``n`` rows that dequantize to 0 (a page's padding)."""
+        return Packed(self.codes.new_zeros(n, self.codes.shape[1]),
+                      self.scale.new_zeros(n, self.scale.shape[1]),
+                      self.zero.new_zeros(n, self.zero.shape[1]), self.bits)
+
     def clone(self) -> Packed:
         return Packed(self.codes.clone(), self.scale.clone(), self.zero.clone(), self.bits)
 

@@ -2,29 +2,38 @@
 
 Layout (``S = B * H_kv`` segments, segment ``s = b * H_kv + h``):
 
-- *base*: flat ``keys`` / ``values`` ``[E, d]`` sorted by segment, then by slot; ``pos`` ``[E]``
-  int32 true positions; ``counts`` ``[S]``. There is no padding, so heads that keep very
-  different numbers of tokens cost exactly what they keep.
+- *base*: ``keys`` / ``values`` ``[R, d]`` sorted by segment, then by slot; ``pos`` ``[R]``
+  int32 true positions; ``counts`` ``[S]``. Each segment's rows start on a *page* boundary
+  (``page`` rows; ``R`` = the pages' rows) and only its last page is padded (rows of zeros,
+  position -1, counted in ``nbytes`` like every row held), so heads that keep very different
+  numbers of tokens cost what they keep plus less than a page each. ``page`` is chosen at each
+  layout (``page_for``): one page per segment when all hold alike (no padding: the base is a
+  ``[B, H_kv, Tb, d]`` view), else the largest of ``PAGES`` whose padding stays within
+  ``PAD_SHARE`` of the entries, else 1 (flat, no padding: small or very uneven bases).
 - *tail*: dense ``[B, H_kv, t, d]`` tokens appended since the last rebuild. Every KV head
   receives every new token, so the tail is rectangular; ``tail_pos`` ``[B, t]`` (-1 = padding).
 
 What policies and attention see is the *slot view*, padded per segment: slots ``0..Tb-1`` are
 the base (``Tb`` = longest segment; slot ``j`` of segment ``s`` is real iff
-``j < counts[s]``), slots ``Tb..Tb+t-1`` the tail. Only small per-slot tensors (masks,
-positions, scores) are materialised padded. K/V are gathered padded only transiently, one
-layer at a time, and only when the base is ragged; when every segment holds the same number
-of entries the base is a zero-copy ``[B, H_kv, Tb, d]`` view. The per-slot positions and base
-validity are kept per layout (bookkeeping, as the gather index: not counted in ``nbytes``),
-the positions grown by ``append`` and marked by ``evict``, so a decode step gathers them not.
+``j < counts[s]``; it is row ``first[s] + j``), slots ``Tb..Tb+t-1`` the tail. Only small
+per-slot tensors (masks, positions, scores, logits) are materialised padded. Attention reads
+a ragged base in its pages where they lie (``pages``, ``kvgate.attention.paged``: no copy of
+the base per step); ``base_kv`` gathers it padded (transiently, one layer at a time) for the
+readers that want the padded view and for a flat base; when every segment holds the same
+number of entries the base is a zero-copy ``[B, H_kv, Tb, d]`` view. The per-slot positions,
+base validity and page indices are kept per layout (bookkeeping, as the gather index: not
+counted in ``nbytes``), the positions marked by ``evict`` and grown to the slots appended
+since when read, so a decode step gathers them not.
 
-*Holes*: an entry evicted while decoding is first only marked (``holes`` ``[B, H_kv, T]`` over
-the slot view): it drops out of every view (``slot_valid``, ``slot_positions``,
-``visible_base`` / ``visible_tail``, ``kept_counts``) at once, and its bytes are freed by the
-next rebuild, which ``evict`` runs only once the holes pass ``HOLE_SHARE`` of the held slots or
-the tail reaches ``TAIL_MAX`` tokens. A policy that drops one token a step (KVzap's rule: the
-token leaving the window when it scores below the threshold) then copies the cache every few
-dozen steps instead of every step; the bytes held overstate the kept entries by at most that
-share until then.
+*Holes*: an entry evicted while decoding is first only marked (``holes`` ``[B, H_kv, T']``
+over the first ``T'`` slots: those appended since are none, so an append leaves it as it is;
+``hole_mask`` gives it over all ``T``): it drops out of every view (``slot_valid``,
+``slot_positions``, ``visible_base`` / ``tail_holes``, ``kept_counts``) at once, and its bytes
+are freed by the next rebuild, which ``evict`` runs only once the holes pass ``HOLE_SHARE`` of
+the held slots or the tail reaches ``TAIL_MAX`` tokens. A policy that drops one token a step
+(KVzap's rule: the token leaving the window when it scores below the threshold) then copies the
+cache every few dozen steps instead of every step; the bytes held overstate the kept entries by
+at most that share until then.
 
 Quantized (``kv``, ``kvgate.cache.quant.KVQuant`` with 8 or 4 bits): the base rows are held as
 codes with per-group scales and zero points (``kvgate.cache.rows.QuantRows``), quantized as
@@ -53,6 +62,12 @@ from kvgate.cache.rows import PlainRows, QuantRows, make_rows
 # when ``evict`` compacts: the holes pass this share of the held slots, or the tail this length
 HOLE_SHARE = 0.125
 TAIL_MAX = 64
+# the page sizes (rows) a ragged base may be held in, largest first, and the padding a page
+# size may add over the entries (each segment's last page is padded: < one page per head).
+# Smaller pages pad less but make attention score more, smaller pieces; below the smallest,
+# attention's per-page work costs more than gathering the base, so the base stays flat
+PAGES = (64, 32, 16, 8)
+PAD_SHARE = 1 / 32
 
 
 def _nbytes(t: Tensor | None) -> int:
@@ -79,14 +94,18 @@ class RaggedStore:
         self.tail_padded = False  # some tail token is padding (only while streaming a prompt)
         self._base_len = 0
         self._uniform = True
-        self._index: Tensor | None = None  # [S, Tb] flat index of every base slot (lazy)
+        self.page = 1  # rows per page of the base (module docstring)
+        self._index: Tensor | None = None  # [S, Tb] row of every base slot (lazy)
         # per-layout views derived from the stored data (bookkeeping, like _index: not counted
-        # in nbytes), built lazily and dropped when the layout changes: "base_valid",
-        # "base_pos" [B, H_kv, Tb]; "slot_pos" [B, H_kv, T] kept up to date by append / evict
+        # in nbytes), built lazily and dropped when the layout changes: "base_valid"
+        # [B, H_kv, Tb]; "page_seg", "page_grid" [N_pages] (pages); "base_visible"
+        # [B, H_kv, 1, Tb] (also dropped when holes are marked); "slot_pos" [B, H_kv, T'], the
+        # positions of the first T' slots, marked by evict, grown by slot_positions to T
         self._views: dict[str, Tensor] = {}
         self._held: int | None = None  # entries in the base (lazy: counts.sum())
         self._hole_count = 0  # slots marked in holes
-        self.holes: Tensor | None = None  # [B, H_kv, T] evicted, not yet compacted (None: none)
+        self.holes: Tensor | None = None  # [B, H_kv, T'] evicted, not yet compacted (None: none)
+        self._tail_holes = False  # some hole lies in the tail
         self._owned = True  # keys / values / pos are this store's alone (forks share them)
 
     # ------------------------------------------------------------------ sizes
@@ -110,6 +129,12 @@ class RaggedStore:
         """True when every segment of the base holds the same number of entries."""
         return self._uniform
 
+    @property
+    def paged(self) -> bool:
+        """True when attention reads the base in its pages (``pages``): a ragged base held
+        in pages; a uniform base is read as a view, a flat one through ``base_kv``."""
+        return not self._uniform and self.page > 1
+
     def kept_counts(self) -> Tensor:
         """Real entries per (sample, KV head), base and tail, holes left out: ``[B, H_kv]``."""
         base = self.counts.view(self.batch, self.kv_heads)
@@ -119,7 +144,8 @@ class RaggedStore:
 
     @property
     def keys(self) -> Tensor:
-        """The base keys ``[E, d]`` (dequantized when the rows are quantized)."""
+        """The base keys ``[R, d]``, pages' padding included (dequantized when the rows are
+        quantized)."""
         return self.rows.dense()[0]
 
     @property
@@ -162,12 +188,11 @@ class RaggedStore:
             raise ValueError("RaggedStore.concat needs stores of one layout with empty tails")
         out = cls(sum(s.batch for s in stores), first.kv_heads, first.head_dim, first.dtype,
                   first.device, first.kv)
-        out.rows = type(first.rows).cat([s.rows for s in stores])
+        flat = [s._packed() for s in stores]  # the stores' pages may differ: placed anew
         out.next_pos = torch.cat([s.next_pos for s in stores])
-        out.pos = torch.cat([s.pos for s in stores])
-        out.counts = torch.cat([s.counts for s in stores])
-        lo, hi = torch.aminmax(out.counts)
-        out._base_len, out._uniform = int(hi), bool(lo == hi)
+        out._set_layout(torch.cat([s.counts for s in stores]))
+        out.rows, out.pos = out._placed(type(first.rows).cat([rows for rows, _ in flat]),
+                                        torch.cat([pos for _, pos in flat]))
         return out
 
     # ------------------------------------------------------------------ writing
@@ -181,13 +206,7 @@ class RaggedStore:
         self.tail_padded |= bool((pos < 0).any()) if padded is None else padded
         if self.kv.quantized:  # the residual window ends at the newest position
             self.next_pos = torch.maximum(self.next_pos, pos.amax(-1).long() + 1)
-        if self.holes is not None:  # the new slots are no holes
-            self.holes = torch.cat([self.holes, self.holes.new_zeros(
-                self.batch, self.kv_heads, pos.shape[1])], dim=-1)
-        slot_pos = self._views.get("slot_pos")
-        if slot_pos is not None:  # the view grows with the tail instead of being rebuilt
-            self._views["slot_pos"] = torch.cat([slot_pos, pos.long()[:, None, :].expand(
-                self.batch, self.kv_heads, -1)], dim=-1)
+        # the new slots are no holes, and their positions join the view when it is read next
         if self.tail_k is None:
             # the first block is kept by reference: a rebuild usually follows right away
             self.tail_k, self.tail_v, self.tail_pos = keys, values, pos
@@ -229,18 +248,60 @@ class RaggedStore:
             dst = dest[:, tb:][kt.reshape(segs, t)]
             rows.put_(dst, make_rows(self.kv, self.tail_k[kt], self.tail_v[kt]))
             pos[dst] = self.tail_pos[:, None, :].expand(b, hk, t)[kt]
-        self.rows, self.pos = rows, pos
-        self.counts = flat.sum(-1)
+        self._set_layout(flat.sum(-1))
+        self.rows, self.pos = self._placed(rows, pos)
         self.tail_k = self.tail_v = None
         self.tail_pos = self.tail_pos.new_empty(b, 0)
         self.tail_padded = False
-        lo, hi = torch.aminmax(self.counts)
-        self._base_len, self._uniform = int(hi), bool(lo == hi)
-        self._index = None
         self._owned = True
         self._new_layout()
         self._age()
         return moves[:, :self._base_len]
+
+    def _set_layout(self, counts: Tensor) -> None:
+        """A new base of ``counts`` ``[S]`` entries per segment: its sizes and page."""
+        self.counts = counts
+        lo, hi = torch.aminmax(counts)
+        self._base_len, self._uniform = int(hi), bool(lo == hi)
+        self.page = page_for(counts, self._base_len, self._uniform)
+        self._index = None
+
+    def _segment_rows(self) -> Tensor:
+        """``[S]`` rows each segment occupies: its entries rounded up to whole pages."""
+        if self.page == 1:
+            return self.counts
+        return (self.counts + self.page - 1).div(self.page, rounding_mode="floor") * self.page
+
+    def _first_rows(self) -> Tensor:
+        """``[S]`` the row of each segment's first slot."""
+        rows = self._segment_rows()
+        return rows.cumsum(0) - rows
+
+    def _placed(self, rows: PlainRows | QuantRows, pos: Tensor
+                ) -> tuple[PlainRows | QuantRows, Tensor]:
+        """The current layout's entries given flat (segment-sorted, no padding), placed on
+        their pages: each segment from its first row on, the padding rows zero with
+        position -1. As given when the layout has no padding."""
+        if self.page == 1 or self._uniform:
+            return rows, pos
+        segs, n = self.batch * self.kv_heads, len(rows)
+        seg = torch.repeat_interleave(torch.arange(segs, device=self.device), self.counts,
+                                      output_size=n)
+        shift = self._first_rows() - (self.counts.cumsum(0) - self.counts)  # padding before
+        dst = torch.arange(n, device=self.device) + shift[seg]
+        total = int(self._segment_rows().sum())
+        out = rows.zeros(total)
+        out.put_(dst, rows)
+        out_pos = torch.full((total,), -1, dtype=torch.int32, device=self.device)
+        out_pos[dst] = pos
+        return out, out_pos
+
+    def _packed(self) -> tuple[PlainRows | QuantRows, Tensor]:
+        """The base's entries flat (``_placed``'s inverse): rows and positions."""
+        if self.page == 1 or self._uniform:
+            return self.rows, self.pos
+        src = self._base_index()[self.base_slot_valid().view(self.batch * self.kv_heads, -1)]
+        return self.rows.take(src), self.pos[src]
 
     def _compaction_moves(self, flat: Tensor) -> Tensor:
         """``[S, T]``: the old slots kept in each segment, in order, then 0."""
@@ -275,7 +336,7 @@ class RaggedStore:
 
     def _new_layout(self) -> None:
         """After a rebuild or an in-place replacement: no holes, the derived views stale."""
-        self.holes, self._hole_count = None, 0
+        self.holes, self._hole_count, self._tail_holes = None, 0, False
         self._views, self._held = {}, None
 
     def _age(self) -> None:
@@ -284,7 +345,7 @@ class RaggedStore:
         if not self.kv.quantized:
             return
         start = (self.next_pos - self.kv.residual).repeat_interleave(self.kv_heads)  # [S]
-        floor = start.repeat_interleave(self.counts, output_size=self.pos.shape[0])
+        floor = start.repeat_interleave(self._segment_rows(), output_size=self.pos.shape[0])
         self.rows = self.rows.aged(self.pos >= floor)
 
     def converted(self, kv: KVQuant, seen: Tensor) -> RaggedStore:
@@ -320,11 +381,13 @@ class RaggedStore:
         if self.tail_len >= TAIL_MAX or holes > HOLE_SHARE * (self._held + self.kv_heads * tail):
             return self.rebuild(~dropped)  # rebuild keeps real slots only
         if count:
-            self.holes = dropped if self.holes is None else self.holes | dropped
+            if "slot_pos" in self._views:
+                self._views["slot_pos"] = self.slot_positions().masked_fill(dropped, -1)
+            self.holes = dropped if self.holes is None else self.hole_mask() | dropped
             self._hole_count = holes
-            slot_pos = self._views.get("slot_pos")
-            if slot_pos is not None:
-                self._views["slot_pos"] = slot_pos.masked_fill(dropped, -1)
+            # a hole in the tail makes attention mask the tail too (one read per round)
+            self._tail_holes = self._tail_holes or bool(dropped[..., self._base_len:].any())
+            self._views.pop("base_visible", None)
         return None
 
     def realign(self, x: Tensor, moves: Tensor) -> Tensor:
@@ -337,10 +400,9 @@ class RaggedStore:
     # ------------------------------------------------------------------ reading
 
     def _base_index(self) -> Tensor:
-        """``[S, Tb]`` flat index of each base slot (clamped into range at empty slots)."""
+        """``[S, Tb]`` row of each base slot (clamped into range at empty slots)."""
         if self._index is None:
-            start = self.counts.cumsum(0) - self.counts
-            idx = start[:, None] + torch.arange(self._base_len, device=self.device)
+            idx = self._first_rows()[:, None] + torch.arange(self._base_len, device=self.device)
             self._index = idx.clamp(max=max(len(self.rows) - 1, 0))
         return self._index
 
@@ -356,12 +418,18 @@ class RaggedStore:
     def slot_valid(self) -> Tensor:
         """``[B, H_kv, T]`` True at real slots (base entries and non-padding tail tokens), holes
         left out."""
-        slots = self._views.get("slot_pos")
-        if slots is not None:  # -1 exactly at empty slots, padding and holes
-            return slots >= 0
+        if "slot_pos" in self._views:  # -1 exactly at empty slots, padding and holes
+            return self.slot_positions() >= 0
         tail = (self.tail_pos >= 0)[:, None, :].expand(self.batch, self.kv_heads, -1)
         valid = torch.cat([self.base_slot_valid(), tail], dim=-1)
-        return valid if self.holes is None else valid & ~self.holes
+        return valid if self.holes is None else valid & ~self.hole_mask()
+
+    def hole_mask(self) -> Tensor | None:
+        """``[B, H_kv, T]`` True at the slots marked as holes (None: none)."""
+        holes, grown = self.holes, self.slots - (0 if self.holes is None else self.holes.shape[-1])
+        if holes is None or not grown:
+            return holes
+        return torch.nn.functional.pad(holes, (0, grown))
 
     def slot_positions(self) -> Tensor:
         """``[B, H_kv, T]`` long true positions, -1 at empty slots and holes (built once
@@ -373,7 +441,11 @@ class RaggedStore:
             base = base.view(self.batch, self.kv_heads, -1).masked_fill(~self.base_slot_valid(), -1)
             tail = self.tail_pos.long()[:, None, :].expand(self.batch, self.kv_heads, -1)
             slots = torch.cat([base, tail], dim=-1)
-            slots = slots if self.holes is None else slots.masked_fill(self.holes, -1)
+            slots = slots if self.holes is None else slots.masked_fill(self.hole_mask(), -1)
+            self._views["slot_pos"] = slots
+        elif slots.shape[-1] < self.slots:  # the slots appended since it was last read
+            new = self.tail_pos[:, slots.shape[-1] - self.slots:].long()
+            slots = torch.cat([slots, new[:, None, :].expand(self.batch, self.kv_heads, -1)], -1)
             self._views["slot_pos"] = slots
         return slots
 
@@ -385,14 +457,19 @@ class RaggedStore:
             return None
         if seen is not None:
             return seen
-        valid = self.base_slot_valid()
-        if self.holes is not None:
-            valid = valid & ~self.holes[..., :self._base_len]
-        return valid[:, :, None, :]
+        visible = self._views.get("base_visible")  # until holes are marked (``drop``)
+        if visible is None:
+            visible = self.base_slot_valid()
+            if self.holes is not None:
+                visible = visible & ~self.holes[..., :self._base_len]
+            visible = self._views["base_visible"] = visible[:, :, None, :]
+        return visible
 
     def tail_holes(self) -> Tensor | None:
         """``[B, H_kv, 1, t]`` True at tail slots evicted but not compacted (None: none)."""
-        return None if self.holes is None else self.holes[:, :, None, self._base_len:]
+        if not self._tail_holes:
+            return None
+        return self.hole_mask()[:, :, None, self._base_len:]
 
     def base_kv(self) -> tuple[Tensor, Tensor]:
         """Base keys/values as ``[B, H_kv, Tb, d]``: a view when uniform, else a padded gather."""
@@ -403,5 +480,36 @@ class RaggedStore:
         idx = self._base_index().view(-1)  # index_select: several times faster than keys[idx]
         return keys.index_select(0, idx).view(shape), values.index_select(0, idx).view(shape)
 
+    def pages(self) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """The base as it is held, in pages (``paged`` stores): keys and values
+        ``[N, page, d]`` (views of the rows; dequantized each call when quantized), the
+        segment of each page ``[N]`` and its place in the padded view's page grid ``[N]``
+        (``segment * ceil(Tb / page)`` + its index in the segment): what
+        ``kvgate.attention.paged.PagedKV`` reads."""
+        keys, values = self.rows.dense()
+        n = keys.shape[0] // self.page
+        seg = self._views.get("page_seg")
+        if seg is None:
+            per = self._segment_rows().div(self.page, rounding_mode="floor")  # [S] pages
+            seg = torch.repeat_interleave(torch.arange(per.shape[0], device=self.device), per,
+                                          output_size=n)
+            index = torch.arange(n, device=self.device) - (per.cumsum(0) - per)[seg]
+            grid = seg * -(-self._base_len // self.page) + index
+            self._views["page_seg"], self._views["page_grid"] = seg, grid
+        shape = (n, self.page, self.head_dim)
+        return keys.view(shape), values.view(shape), seg, self._views["page_grid"]
+
     def tail_kv(self) -> tuple[Tensor | None, Tensor | None]:
         return self.tail_k, self.tail_v
+
+
+def page_for(counts: Tensor, longest: int, uniform: bool) -> int:
+    """Rows per page for a base of ``counts`` ``[S]`` entries per segment (``longest`` the
+    largest, ``uniform`` all equal): one page per segment when all hold alike, else the
+    largest of ``PAGES`` whose padding stays within ``PAD_SHARE`` of the entries, else 1."""
+    if uniform:
+        return max(longest, 1)
+    sizes = torch.tensor(PAGES, device=counts.device)[:, None]
+    padding = ((counts + sizes - 1).div(sizes, rounding_mode="floor") * sizes - counts).sum(-1)
+    fits = (padding <= PAD_SHARE * counts.sum()).tolist()  # one read for every size
+    return next((size for size, ok in zip(PAGES, fits) if ok), 1)

@@ -1,6 +1,7 @@
-"""The flat rows a ``RaggedStore`` base holds: keys and values ``[E, d]``, full precision
+"""The rows a ``RaggedStore`` base holds: keys and values ``[R, d]``, full precision
 (``PlainRows``) or quantized (``QuantRows``), behind one small interface the store moves rows
-with (``take``, ``put_``, ``empty``, ``cat``, ``clone``) and attention reads (``dense``).
+with (``take``, ``put_``, ``empty``, ``zeros``, ``cat``, ``clone``) and attention reads
+(``dense``). The store decides which row holds which entry (and which rows pad a page).
 
 ``QuantRows`` keeps every row's codes (``kvgate.cache.quant``) and, for the rows still inside
 the residual window, their exact keys and values besides (``exact`` row indices, ``exact_k`` /
@@ -41,6 +42,10 @@ class PlainRows:
     def empty(self, n: int) -> PlainRows:
         return PlainRows(self.keys.new_empty(n, self.keys.shape[1]),
                          self.values.new_empty(n, self.values.shape[1]))
+
+    def zeros(self, n: int) -> PlainRows:
+        return PlainRows(self.keys.new_zeros(n, self.keys.shape[1]),
+                         self.values.new_zeros(n, self.values.shape[1]))
 
     def clone(self) -> PlainRows:
         return PlainRows(self.keys.clone(), self.values.clone())
@@ -108,6 +113,11 @@ class QuantRows:
 
     def empty(self, n: int) -> QuantRows:
         return QuantRows(self.k.empty(n), self.v.empty(n), self.exact[:0].clone(),
+                         self.exact_k[:0].clone(), self.exact_v[:0].clone(), self.dtype)
+
+    def zeros(self, n: int) -> QuantRows:
+        """``n`` rows that read back as 0, none held exact (a page's padding)."""
+        return QuantRows(self.k.zeros(n), self.v.zeros(n), self.exact[:0].clone(),
                          self.exact_k[:0].clone(), self.exact_v[:0].clone(), self.dtype)
 
     def clone(self) -> QuantRows:

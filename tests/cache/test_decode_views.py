@@ -25,7 +25,7 @@ def _fresh_positions(store: RaggedStore) -> torch.Tensor:
     base = base.view(b, hk, tb).masked_fill((slot >= store.counts[:, None]).view(b, hk, tb), -1)
     tail = store.tail_pos.long()[:, None, :].expand(b, hk, -1)
     slots = torch.cat([base, tail], dim=-1)
-    return slots if store.holes is None else slots.masked_fill(store.holes, -1)
+    return slots if store.holes is None else slots.masked_fill(store.hole_mask(), -1)
 
 
 def test_views_follow_appends_holes_compactions_and_forks():

@@ -1,0 +1,129 @@
+"""A ragged base held in pages per KV head and attended where it lies (#65): the same entries,
+slots, logits and outputs as the flat base gathered into the padded view every step (the
+layout before), within float tolerance where the sums run in another order; the bytes held
+count the pages' padding."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from conftest import build, patch_evicting, tiny_llama_config
+
+from kvgate.attention.decode import KVPart, multipart_attention
+from kvgate.attention.paged import PagedKV
+from kvgate.cache import CompressedCache, RaggedStore
+from kvgate.cache import ragged as ragged_mod
+from kvgate.policies import Budget, get_policy
+
+
+def _store(counts: list[int], d: int = 8, seed: int = 0) -> tuple[RaggedStore, torch.Tensor]:
+    """A store of one sample whose heads keep ``counts`` entries (the first of ``max``)."""
+    g = torch.Generator().manual_seed(seed)
+    hk, n = len(counts), max(counts)
+    k, v = torch.randn(1, hk, n, d, generator=g), torch.randn(1, hk, n, d, generator=g)
+    store = RaggedStore(1, hk, d, torch.float32, torch.device("cpu"))
+    store.append(k, v, torch.arange(n)[None])
+    keep = torch.arange(n) < torch.tensor(counts)[:, None]
+    store.rebuild(keep[None])
+    return store, k
+
+
+def test_segments_start_on_pages_and_the_padding_is_held_and_counted():
+    counts = [300, 437, 512]
+    store, k = _store(counts)
+    assert store.paged and store.page in ragged_mod.PAGES
+    first = store._first_rows()
+    assert (first % store.page == 0).all()
+    held_rows = store.keys.shape[0]
+    assert held_rows == int(store._segment_rows().sum()) >= sum(counts)
+    assert held_rows - sum(counts) <= ragged_mod.PAD_SHARE * sum(counts)
+    # every tensor as held: rows of K and V (padding included), int32 positions, counts
+    assert store.nbytes() == held_rows * (2 * 8 * 4 + 4) + 3 * 8
+    bk, _ = store.base_kv()  # the padded view reads the same entries as before
+    for h, c in enumerate(counts):
+        assert torch.equal(bk[0, h, :c], k[0, h, :c])
+        assert store.slot_positions()[0, h, :c].tolist() == list(range(c))
+    keys, _, seg, grid = store.pages()
+    per = -(-store.base_len // store.page)
+    padded = torch.zeros(3 * per, store.page, 8).index_copy_(0, grid, keys)
+    padded = padded.view(1, 3, per * store.page, 8)[:, :, :store.base_len]
+    valid = store.base_slot_valid()[..., None]
+    assert torch.equal(padded * valid, bk * valid)
+    assert seg.tolist() == sorted(seg.tolist())
+
+
+def test_equal_heads_are_one_page_each_and_a_view():
+    store, _ = _store([40, 40, 40])
+    assert store.uniform and not store.paged and store.page == 40
+    assert store.base_kv()[0].data_ptr() == store.keys.data_ptr()
+
+
+def test_small_or_uneven_bases_stay_flat():
+    store, _ = _store([3, 9, 1])
+    assert store.page == 1 and not store.paged and store.keys.shape[0] == 13
+
+
+@pytest.mark.parametrize("r,group", [(1, 3), (4, 2)])
+def test_paged_attention_equals_the_gathered_padded_view(r, group):
+    store, _ = _store([300, 437, 512], d=16, seed=1)
+    g = torch.Generator().manual_seed(2)
+    query = torch.randn(1, 3 * group, r, 16, generator=g)
+    tail_k, tail_v = torch.randn(1, 3, 5, 16, generator=g), torch.randn(1, 3, 5, 16, generator=g)
+    visible = store.base_slot_valid()[:, :, None, :] & (
+        torch.rand(1, 3, r, store.base_len, generator=g) > 0.1)  # holes, windows: any mask
+    visible[0, 1, 0] = False  # a row that sees nothing of one head's base
+    keys, values, seg, grid = store.pages()
+    paged = PagedKV(keys, values, visible, seg, grid, store.base_len, 3)
+    dense = KVPart(*store.base_kv(), visible)
+    tail = KVPart(tail_k, tail_v, None)
+    out, logits = multipart_attention(query, [paged, tail], 0.25, return_logits=True)
+    want, want_logits = multipart_attention(query, [dense, tail], 0.25, return_logits=True)
+    torch.testing.assert_close(out, want, atol=1e-6, rtol=1e-5)
+    assert torch.equal(logits == -math.inf, want_logits == -math.inf)
+    torch.testing.assert_close(logits, want_logits, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("kv_bits", [16, 8])
+def test_decoding_over_pages_equals_decoding_over_the_flat_base(kv_bits, monkeypatch):
+    """Tokens, logits and the kept entries of every layer, step by step, as with the flat base
+    gathered padded (no pages: the layout before #65's pages), through holes and compactions;
+    pages of 8 rows, whatever padding they add, so that the tiny caches span several."""
+    model = build(tiny_llama_config())
+    patch_evicting(model, "mlp")
+    ids = torch.randint(1, 100, (2, 60), generator=torch.Generator().manual_seed(6))
+    mask = torch.ones_like(ids)
+    mask[1, :9] = 0  # samples of different lengths
+
+    def run():
+        cache = CompressedCache(model, get_policy("local_gate", window=4, interval=3),
+                                Budget(ratio=1.0), kv_bits=kv_bits, kv_residual=8)
+        logits, kept, paged = [], [], 0
+        step_mask = mask
+        with torch.no_grad():
+            out = model(ids, attention_mask=step_mask, past_key_values=cache)
+            for _ in range(ragged_mod.TAIL_MAX + 6):  # past compactions of every layer
+                logits.append(out.logits[:, -1])
+                kept.append([_held(layer.store) for layer in cache.layers])
+                paged += sum(layer.store.paged for layer in cache.layers)
+                step_mask = torch.cat([step_mask, step_mask.new_ones(2, 1)], dim=1)
+                out = model(out.logits[:, -1:].argmax(-1), attention_mask=step_mask,
+                            past_key_values=cache)
+        return torch.stack(logits), kept, paged, cache
+
+    monkeypatch.setattr(ragged_mod, "PAD_SHARE", 1.0)
+    monkeypatch.setattr(ragged_mod, "PAGES", (8,))
+    got, got_kept, paged, cache = run()
+    monkeypatch.setattr(ragged_mod, "PAGES", ())  # always flat
+    want, want_kept, flat, flat_cache = run()
+    assert paged > 0 and flat == 0
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    assert got_kept == want_kept
+    assert cache.bytes_held() >= flat_cache.bytes_held()  # the pages' padding is counted
+
+
+def _held(store: RaggedStore) -> list[tuple[int, int, int]]:
+    pos = store.slot_positions()
+    at = (pos >= 0).nonzero()
+    return sorted(zip(at[:, 0].tolist(), at[:, 1].tolist(), pos[pos >= 0].tolist()))
