@@ -9,7 +9,8 @@ Layout (``S = B * H_kv`` segments, segment ``s = b * H_kv + h``):
   numbers of tokens cost what they keep plus less than a page each. ``page`` is chosen at each
   layout (``page_for``): one page per segment when all hold alike (no padding: the base is a
   ``[B, H_kv, Tb, d]`` view), else the largest of ``PAGES`` whose padding stays within
-  ``PAD_SHARE`` of the entries, else 1 (flat, no padding: small or very uneven bases).
+  ``PAD_SHARE`` of the entries, else 1 (flat, no padding: small or very uneven bases, and
+  every quantized one, see below).
 - *tail*: dense ``[B, H_kv, t, d]`` tokens appended since the last rebuild. Every KV head
   receives every new token, so the tail is rectangular; ``tail_pos`` ``[B, t]`` (-1 = padding).
 
@@ -40,7 +41,9 @@ codes with per-group scales and zero points (``kvgate.cache.rows.QuantRows``), q
 they enter the base (at a rebuild); the base rows of the last ``kv.residual`` positions of each
 sample keep an exact copy besides, dropped at the first rebuild after they leave that window,
 and the tail is full precision. ``base_kv`` dequantizes the base at each call (no dequantized
-copy is kept). Slots, positions, holes and every per-slot view are the same as unquantized.
+copy is kept); a ragged quantized base stays flat, its codes gathered into the padded view and
+dequantized there (a copy of the codes, a quarter or an eighth of the rows': attention then
+reads a view), so its bytes are exactly its entries'. Slots, positions, holes and every per-slot view are the same as unquantized.
 
 Slot order: a rebuild compacts the kept slots in their old order (position order after a
 prefill). A decode step that evicts exactly as many entries per segment as it appends (a
@@ -67,7 +70,7 @@ TAIL_MAX = 64
 # Smaller pages pad less but make attention score more, smaller pieces; below the smallest,
 # attention's per-page work costs more than gathering the base, so the base stays flat
 PAGES = (64, 32, 16, 8)
-PAD_SHARE = 1 / 32
+PAD_SHARE = 1 / 64
 
 
 def _nbytes(t: Tensor | None) -> int:
@@ -263,7 +266,7 @@ class RaggedStore:
         self.counts = counts
         lo, hi = torch.aminmax(counts)
         self._base_len, self._uniform = int(hi), bool(lo == hi)
-        self.page = page_for(counts, self._base_len, self._uniform)
+        self.page = page_for(counts, self._base_len, self._uniform, self.kv.quantized)
         self._index = None
 
     def _segment_rows(self) -> Tensor:
@@ -358,7 +361,11 @@ class RaggedStore:
             raise ValueError(f"a store of {self.kv.describe()} entries cannot become "
                              f"{kv.describe()}: quantize from full precision only")
         twin = self.fork()
-        twin.kv, twin.rows = kv, make_rows(kv, *self.rows.dense())
+        rows, twin.pos = self._packed()  # a ragged quantized base is flat (module docstring)
+        twin.kv, twin.rows = kv, make_rows(kv, *rows.dense())
+        if twin.page > 1 and not twin._uniform:
+            twin.page, twin._index = 1, None
+            twin._views = {k: v for k, v in twin._views.items() if not k.startswith("page_")}
         twin.next_pos = seen.to(self.next_pos)  # a full-precision store does not track it
         twin._age()
         return twin
@@ -474,10 +481,14 @@ class RaggedStore:
     def base_kv(self) -> tuple[Tensor, Tensor]:
         """Base keys/values as ``[B, H_kv, Tb, d]``: a view when uniform, else a padded gather."""
         shape = (self.batch, self.kv_heads, self._base_len, self.head_dim)
-        keys, values = self.rows.dense()  # dequantized each call when quantized: no copy kept
-        if self._uniform:
+        idx = None if self._uniform else self._base_index().view(-1)
+        if idx is not None and self.kv.quantized:  # the codes gathered, then dequantized
+            keys, values = self.rows.take(idx).dense()
             return keys.view(shape), values.view(shape)
-        idx = self._base_index().view(-1)  # index_select: several times faster than keys[idx]
+        keys, values = self.rows.dense()  # dequantized each call when quantized: no copy kept
+        if idx is None:
+            return keys.view(shape), values.view(shape)
+        # index_select: several times faster than keys[idx]
         return keys.index_select(0, idx).view(shape), values.index_select(0, idx).view(shape)
 
     def pages(self) -> tuple[Tensor, Tensor, Tensor, Tensor]:
@@ -503,12 +514,15 @@ class RaggedStore:
         return self.tail_k, self.tail_v
 
 
-def page_for(counts: Tensor, longest: int, uniform: bool) -> int:
+def page_for(counts: Tensor, longest: int, uniform: bool, quantized: bool = False) -> int:
     """Rows per page for a base of ``counts`` ``[S]`` entries per segment (``longest`` the
-    largest, ``uniform`` all equal): one page per segment when all hold alike, else the
-    largest of ``PAGES`` whose padding stays within ``PAD_SHARE`` of the entries, else 1."""
+    largest, ``uniform`` all equal): one page per segment when all hold alike, else 1 for a
+    quantized base (module docstring), else the largest of ``PAGES`` whose padding stays
+    within ``PAD_SHARE`` of the entries, else 1."""
     if uniform:
         return max(longest, 1)
+    if quantized:
+        return 1
     sizes = torch.tensor(PAGES, device=counts.device)[:, None]
     padding = ((counts + sizes - 1).div(sizes, rounding_mode="floor") * sizes - counts).sum(-1)
     fits = (padding <= PAD_SHARE * counts.sum()).tolist()  # one read for every size

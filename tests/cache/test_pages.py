@@ -15,6 +15,7 @@ from kvgate.attention.decode import KVPart, multipart_attention
 from kvgate.attention.paged import PagedKV
 from kvgate.cache import CompressedCache, RaggedStore
 from kvgate.cache import ragged as ragged_mod
+from kvgate.cache.quant import KVQuant
 from kvgate.policies import Budget, get_policy
 
 
@@ -85,8 +86,28 @@ def test_paged_attention_equals_the_gathered_padded_view(r, group):
     torch.testing.assert_close(logits, want_logits, atol=1e-6, rtol=1e-5)
 
 
-@pytest.mark.parametrize("kv_bits", [16, 8])
-def test_decoding_over_pages_equals_decoding_over_the_flat_base(kv_bits, monkeypatch):
+def test_a_quantized_base_stays_flat_and_gathers_its_codes():
+    """Quantized rows are dequantized each step anyway: their codes are gathered into the
+    padded view and dequantized there (what dequantizing all and gathering gives), and the
+    bytes held are the entries' alone; a paged store converted to 8 bits becomes flat."""
+    store, k = _store([300, 437, 512])
+    kv = KVQuant(8, 8, residual=100)
+    quantized = store.converted(kv, torch.tensor([512]))
+    assert store.paged and quantized.page == 1 and not quantized.paged
+    assert len(quantized.rows) == 300 + 437 + 512
+    got = quantized.base_kv()
+    keys, values = quantized.rows.dense()
+    idx = quantized._base_index().view(-1)
+    for a, rows in zip(got, (keys, values)):
+        assert torch.equal(a, rows.index_select(0, idx).view_as(a))
+    assert torch.equal(quantized.slot_positions(), store.slot_positions())
+    fresh = RaggedStore(1, 3, 8, torch.float32, torch.device("cpu"), kv)
+    fresh.append(k, k, torch.arange(512)[None])
+    fresh.rebuild(store.base_slot_valid())
+    assert fresh.page == 1 and fresh.nbytes() == quantized.nbytes()
+
+
+def test_decoding_over_pages_equals_decoding_over_the_flat_base(monkeypatch):
     """Tokens, logits and the kept entries of every layer, step by step, as with the flat base
     gathered padded (no pages: the layout before #65's pages), through holes and compactions;
     pages of 8 rows, whatever padding they add, so that the tiny caches span several."""
@@ -98,7 +119,7 @@ def test_decoding_over_pages_equals_decoding_over_the_flat_base(kv_bits, monkeyp
 
     def run():
         cache = CompressedCache(model, get_policy("local_gate", window=4, interval=3),
-                                Budget(ratio=1.0), kv_bits=kv_bits, kv_residual=8)
+                                Budget(ratio=1.0))
         logits, kept, paged = [], [], 0
         step_mask = mask
         with torch.no_grad():
