@@ -89,8 +89,27 @@ def stack_caches(caches: Sequence[CompressedCache], append_only: bool = False,
     return twin
 
 
+def concat_stores(stores: list[RaggedStore]) -> RaggedStore:
+    """One store holding the samples of ``stores`` in order (their tails must be empty, as
+    right after a prefill): each store's entries flat (their pages may differ), one after the
+    other, placed on the pages of the whole. Shares nothing it could write into (``append`` /
+    ``rebuild`` bind new tensors)."""
+    first = stores[0]
+    if any(s.tail_len or s.holes is not None or (s.kv_heads, s.head_dim, s.dtype, s.device, s.kv)
+           != (first.kv_heads, first.head_dim, first.dtype, first.device, first.kv)
+           for s in stores):
+        raise ValueError("concat_stores needs stores of one layout with empty tails")
+    out = RaggedStore(sum(s.batch for s in stores), first.kv_heads, first.head_dim, first.dtype,
+                      first.device, first.kv)
+    flat = [s.packed() for s in stores]
+    out.next_pos = torch.cat([s.next_pos for s in stores])
+    out.fill(type(first.rows).cat([rows for rows, _ in flat]),
+             torch.cat([pos for _, pos in flat]), torch.cat([s.counts for s in stores]))
+    return out
+
+
 def _stack_layers(layers: list[_Layer]) -> _Layer:
-    store = RaggedStore.concat([la.store for la in layers])
+    store = concat_stores([la.store for la in layers])
     stats = {}
     for key in layers[0].stats:
         # per-slot statistics follow each sample's base layout: pad to the stacked one

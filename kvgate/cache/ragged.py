@@ -3,28 +3,21 @@
 Layout (``S = B * H_kv`` segments, segment ``s = b * H_kv + h``):
 
 - *base*: ``keys`` / ``values`` ``[R, d]`` sorted by segment, then by slot; ``pos`` ``[R]``
-  int32 true positions; ``counts`` ``[S]``. Each segment's rows start on a *page* boundary
-  (``page`` rows; ``R`` = the pages' rows) and only its last page is padded (rows of zeros,
-  position -1, counted in ``nbytes`` like every row held), so heads that keep very different
-  numbers of tokens cost what they keep plus less than a page each. ``page`` is chosen at each
-  layout (``page_for``): one page per segment when all hold alike (no padding: the base is a
-  ``[B, H_kv, Tb, d]`` view), else the largest of ``PAGES`` whose padding stays within
-  ``PAD_SHARE`` of the entries, else 1 (flat, no padding: small or very uneven bases, and
-  every quantized one, see below).
+  int32 true positions; ``counts`` ``[S]``. Each segment's rows start on a page boundary and
+  only its last page is padded (``kvgate.cache.pages``: ``page`` rows, chosen at each layout;
+  the padding is held and counted in ``nbytes``), so heads that keep very different numbers of
+  tokens cost what they keep plus less than a page each.
 - *tail*: dense ``[B, H_kv, t, d]`` tokens appended since the last rebuild. Every KV head
   receives every new token, so the tail is rectangular; ``tail_pos`` ``[B, t]`` (-1 = padding).
 
 What policies and attention see is the *slot view*, padded per segment: slots ``0..Tb-1`` are
 the base (``Tb`` = longest segment; slot ``j`` of segment ``s`` is real iff
-``j < counts[s]``; it is row ``first[s] + j``), slots ``Tb..Tb+t-1`` the tail. Only small
-per-slot tensors (masks, positions, scores, logits) are materialised padded. Attention reads
-a ragged base in its pages where they lie (``pages``, ``kvgate.attention.paged``: no copy of
-the base per step); ``base_kv`` gathers it padded (transiently, one layer at a time) for the
-readers that want the padded view and for a flat base; when every segment holds the same
-number of entries the base is a zero-copy ``[B, H_kv, Tb, d]`` view. The per-slot positions,
-base validity and page indices are kept per layout (bookkeeping, as the gather index: not
-counted in ``nbytes``), the positions marked by ``evict`` and grown to the slots appended
-since when read, so a decode step gathers them not.
+``j < counts[s]``), slots ``Tb..Tb+t-1`` the tail. Only small per-slot tensors (masks,
+positions, scores, logits) are materialised padded. Attention reads a paged base where it lies
+(``pages``); ``base_kv`` gives the padded view: of a uniform base a view, else a transient
+gather. The per-slot positions, base validity and page indices are kept per layout
+(bookkeeping: not counted in ``nbytes``), the positions marked by ``evict`` and grown to new
+slots when read, so a decode step gathers them not.
 
 *Holes*: an entry evicted while decoding is first only marked (``holes`` ``[B, H_kv, T']``
 over the first ``T'`` slots: those appended since are none, so an append leaves it as it is;
@@ -41,9 +34,8 @@ codes with per-group scales and zero points (``kvgate.cache.rows.QuantRows``), q
 they enter the base (at a rebuild); the base rows of the last ``kv.residual`` positions of each
 sample keep an exact copy besides, dropped at the first rebuild after they leave that window,
 and the tail is full precision. ``base_kv`` dequantizes the base at each call (no dequantized
-copy is kept); a ragged quantized base stays flat, its codes gathered into the padded view and
-dequantized there (a copy of the codes, a quarter or an eighth of the rows': attention then
-reads a view), so its bytes are exactly its entries'. Slots, positions, holes and every per-slot view are the same as unquantized.
+copy is kept; a ragged base flat, its codes gathered into the padded view first). Slots,
+positions, holes and every per-slot view are the same as unquantized.
 
 Slot order: a rebuild compacts the kept slots in their old order (position order after a
 prefill). A decode step that evicts exactly as many entries per segment as it appends (a
@@ -59,18 +51,13 @@ import copy
 import torch
 from torch import Tensor
 
+from kvgate.cache.pages import first_rows, page_for, page_index, placed, segment_rows
 from kvgate.cache.quant import KVQuant
 from kvgate.cache.rows import PlainRows, QuantRows, make_rows
 
 # when ``evict`` compacts: the holes pass this share of the held slots, or the tail this length
 HOLE_SHARE = 0.125
 TAIL_MAX = 64
-# the page sizes (rows) a ragged base may be held in, largest first, and the padding a page
-# size may add over the entries (each segment's last page is padded: < one page per head).
-# Smaller pages pad less but make attention score more, smaller pieces; below the smallest,
-# attention's per-page work costs more than gathering the base, so the base stays flat
-PAGES = (64, 32, 16, 8)
-PAD_SHARE = 1 / 64
 
 
 def _nbytes(t: Tensor | None) -> int:
@@ -99,11 +86,10 @@ class RaggedStore:
         self._uniform = True
         self.page = 1  # rows per page of the base (module docstring)
         self._index: Tensor | None = None  # [S, Tb] row of every base slot (lazy)
-        # per-layout views derived from the stored data (bookkeeping, like _index: not counted
-        # in nbytes), built lazily and dropped when the layout changes: "base_valid"
-        # [B, H_kv, Tb]; "page_seg", "page_grid" [N_pages] (pages); "base_visible"
-        # [B, H_kv, 1, Tb] (also dropped when holes are marked); "slot_pos" [B, H_kv, T'], the
-        # positions of the first T' slots, marked by evict, grown by slot_positions to T
+        # per-layout views of the stored data (bookkeeping, like _index: not in nbytes), built
+        # lazily, dropped when the layout changes: "base_valid" [B, H_kv, Tb]; "page_seg",
+        # "page_grid" [N_pages] (pages); "base_visible" [B, H_kv, 1, Tb] (dropped too when holes
+        # are marked); "slot_pos" [B, H_kv, T'], marked by evict, grown by slot_positions to T
         self._views: dict[str, Tensor] = {}
         self._held: int | None = None  # entries in the base (lazy: counts.sum())
         self._hole_count = 0  # slots marked in holes
@@ -134,8 +120,7 @@ class RaggedStore:
 
     @property
     def paged(self) -> bool:
-        """True when attention reads the base in its pages (``pages``): a ragged base held
-        in pages; a uniform base is read as a view, a flat one through ``base_kv``."""
+        """A ragged base in pages, which attention reads as they are (``pages``)."""
         return not self._uniform and self.page > 1
 
     def kept_counts(self) -> Tensor:
@@ -176,27 +161,6 @@ class RaggedStore:
         twin._views = dict(self._views)  # the views are never written into: sharing them is safe
         self._owned = twin._owned = False
         return twin
-
-    @classmethod
-    def concat(cls, stores: list[RaggedStore]) -> RaggedStore:
-        """One store holding the samples of ``stores`` in order (their tails must be empty, as
-        right after a prefill): the flat base is segment-sorted, so the samples' entries simply
-        follow each other. Shares nothing it could write into (``append`` / ``rebuild`` bind
-        new tensors)."""
-        first = stores[0]
-        if any(s.tail_len or s.holes is not None or (s.kv_heads, s.head_dim, s.dtype, s.device,
-                                                     s.kv)
-               != (first.kv_heads, first.head_dim, first.dtype, first.device, first.kv)
-               for s in stores):
-            raise ValueError("RaggedStore.concat needs stores of one layout with empty tails")
-        out = cls(sum(s.batch for s in stores), first.kv_heads, first.head_dim, first.dtype,
-                  first.device, first.kv)
-        flat = [s._packed() for s in stores]  # the stores' pages may differ: placed anew
-        out.next_pos = torch.cat([s.next_pos for s in stores])
-        out._set_layout(torch.cat([s.counts for s in stores]))
-        out.rows, out.pos = out._placed(type(first.rows).cat([rows for rows, _ in flat]),
-                                        torch.cat([pos for _, pos in flat]))
-        return out
 
     # ------------------------------------------------------------------ writing
 
@@ -251,8 +215,7 @@ class RaggedStore:
             dst = dest[:, tb:][kt.reshape(segs, t)]
             rows.put_(dst, make_rows(self.kv, self.tail_k[kt], self.tail_v[kt]))
             pos[dst] = self.tail_pos[:, None, :].expand(b, hk, t)[kt]
-        self._set_layout(flat.sum(-1))
-        self.rows, self.pos = self._placed(rows, pos)
+        self.fill(rows, pos, flat.sum(-1))
         self.tail_k = self.tail_v = None
         self.tail_pos = self.tail_pos.new_empty(b, 0)
         self.tail_padded = False
@@ -261,46 +224,18 @@ class RaggedStore:
         self._age()
         return moves[:, :self._base_len]
 
-    def _set_layout(self, counts: Tensor) -> None:
-        """A new base of ``counts`` ``[S]`` entries per segment: its sizes and page."""
+    def fill(self, rows: PlainRows | QuantRows, pos: Tensor, counts: Tensor) -> None:
+        """Hold ``rows`` / int32 ``pos`` (flat, segment-sorted) of ``counts`` ``[S]`` entries
+        per segment as the base, on pages (``kvgate.cache.pages``); its derived views stale."""
         self.counts = counts
         lo, hi = torch.aminmax(counts)
         self._base_len, self._uniform = int(hi), bool(lo == hi)
         self.page = page_for(counts, self._base_len, self._uniform, self.kv.quantized)
+        self.rows, self.pos = placed(rows, pos, counts, self.page, self._uniform)
         self._index = None
 
-    def _segment_rows(self) -> Tensor:
-        """``[S]`` rows each segment occupies: its entries rounded up to whole pages."""
-        if self.page == 1:
-            return self.counts
-        return (self.counts + self.page - 1).div(self.page, rounding_mode="floor") * self.page
-
-    def _first_rows(self) -> Tensor:
-        """``[S]`` the row of each segment's first slot."""
-        rows = self._segment_rows()
-        return rows.cumsum(0) - rows
-
-    def _placed(self, rows: PlainRows | QuantRows, pos: Tensor
-                ) -> tuple[PlainRows | QuantRows, Tensor]:
-        """The current layout's entries given flat (segment-sorted, no padding), placed on
-        their pages: each segment from its first row on, the padding rows zero with
-        position -1. As given when the layout has no padding."""
-        if self.page == 1 or self._uniform:
-            return rows, pos
-        segs, n = self.batch * self.kv_heads, len(rows)
-        seg = torch.repeat_interleave(torch.arange(segs, device=self.device), self.counts,
-                                      output_size=n)
-        shift = self._first_rows() - (self.counts.cumsum(0) - self.counts)  # padding before
-        dst = torch.arange(n, device=self.device) + shift[seg]
-        total = int(self._segment_rows().sum())
-        out = rows.zeros(total)
-        out.put_(dst, rows)
-        out_pos = torch.full((total,), -1, dtype=torch.int32, device=self.device)
-        out_pos[dst] = pos
-        return out, out_pos
-
-    def _packed(self) -> tuple[PlainRows | QuantRows, Tensor]:
-        """The base's entries flat (``_placed``'s inverse): rows and positions."""
+    def packed(self) -> tuple[PlainRows | QuantRows, Tensor]:
+        """The base's entries flat, segment-sorted (``fill``'s input): rows and positions."""
         if self.page == 1 or self._uniform:
             return self.rows, self.pos
         src = self._base_index()[self.base_slot_valid().view(self.batch * self.kv_heads, -1)]
@@ -348,7 +283,8 @@ class RaggedStore:
         if not self.kv.quantized:
             return
         start = (self.next_pos - self.kv.residual).repeat_interleave(self.kv_heads)  # [S]
-        floor = start.repeat_interleave(self._segment_rows(), output_size=self.pos.shape[0])
+        rows = segment_rows(self.counts, self.page)  # padding rows included
+        floor = start.repeat_interleave(rows, output_size=self.pos.shape[0])
         self.rows = self.rows.aged(self.pos >= floor)
 
     def converted(self, kv: KVQuant, seen: Tensor) -> RaggedStore:
@@ -361,7 +297,7 @@ class RaggedStore:
             raise ValueError(f"a store of {self.kv.describe()} entries cannot become "
                              f"{kv.describe()}: quantize from full precision only")
         twin = self.fork()
-        rows, twin.pos = self._packed()  # a ragged quantized base is flat (module docstring)
+        rows, twin.pos = self.packed()  # a ragged quantized base is flat (module docstring)
         twin.kv, twin.rows = kv, make_rows(kv, *rows.dense())
         if twin.page > 1 and not twin._uniform:
             twin.page, twin._index = 1, None
@@ -409,7 +345,8 @@ class RaggedStore:
     def _base_index(self) -> Tensor:
         """``[S, Tb]`` row of each base slot (clamped into range at empty slots)."""
         if self._index is None:
-            idx = self._first_rows()[:, None] + torch.arange(self._base_len, device=self.device)
+            first = first_rows(self.counts, self.page)
+            idx = first[:, None] + torch.arange(self._base_len, device=self.device)
             self._index = idx.clamp(max=max(len(self.rows) - 1, 0))
         return self._index
 
@@ -498,32 +435,12 @@ class RaggedStore:
         (``segment * ceil(Tb / page)`` + its index in the segment): what
         ``kvgate.attention.paged.PagedKV`` reads."""
         keys, values = self.rows.dense()
-        n = keys.shape[0] // self.page
-        seg = self._views.get("page_seg")
-        if seg is None:
-            per = self._segment_rows().div(self.page, rounding_mode="floor")  # [S] pages
-            seg = torch.repeat_interleave(torch.arange(per.shape[0], device=self.device), per,
-                                          output_size=n)
-            index = torch.arange(n, device=self.device) - (per.cumsum(0) - per)[seg]
-            grid = seg * -(-self._base_len // self.page) + index
-            self._views["page_seg"], self._views["page_grid"] = seg, grid
-        shape = (n, self.page, self.head_dim)
-        return keys.view(shape), values.view(shape), seg, self._views["page_grid"]
+        if "page_seg" not in self._views:
+            self._views["page_seg"], self._views["page_grid"] = page_index(
+                self.counts, self.page, self._base_len)
+        shape = (keys.shape[0] // self.page, self.page, self.head_dim)
+        return (keys.view(shape), values.view(shape), self._views["page_seg"],
+                self._views["page_grid"])
 
     def tail_kv(self) -> tuple[Tensor | None, Tensor | None]:
         return self.tail_k, self.tail_v
-
-
-def page_for(counts: Tensor, longest: int, uniform: bool, quantized: bool = False) -> int:
-    """Rows per page for a base of ``counts`` ``[S]`` entries per segment (``longest`` the
-    largest, ``uniform`` all equal): one page per segment when all hold alike, else 1 for a
-    quantized base (module docstring), else the largest of ``PAGES`` whose padding stays
-    within ``PAD_SHARE`` of the entries, else 1."""
-    if uniform:
-        return max(longest, 1)
-    if quantized:
-        return 1
-    sizes = torch.tensor(PAGES, device=counts.device)[:, None]
-    padding = ((counts + sizes - 1).div(sizes, rounding_mode="floor") * sizes - counts).sum(-1)
-    fits = (padding <= PAD_SHARE * counts.sum()).tolist()  # one read for every size
-    return next((size for size, ok in zip(PAGES, fits) if ok), 1)

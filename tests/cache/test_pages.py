@@ -14,6 +14,7 @@ from conftest import build, patch_evicting, tiny_llama_config
 from kvgate.attention.decode import KVPart, multipart_attention
 from kvgate.attention.paged import PagedKV
 from kvgate.cache import CompressedCache, RaggedStore
+from kvgate.cache import pages as pages_mod
 from kvgate.cache import ragged as ragged_mod
 from kvgate.cache.quant import KVQuant
 from kvgate.policies import Budget, get_policy
@@ -34,12 +35,12 @@ def _store(counts: list[int], d: int = 8, seed: int = 0) -> tuple[RaggedStore, t
 def test_segments_start_on_pages_and_the_padding_is_held_and_counted():
     counts = [300, 437, 512]
     store, k = _store(counts)
-    assert store.paged and store.page in ragged_mod.PAGES
-    first = store._first_rows()
+    assert store.paged and store.page in pages_mod.PAGES
+    first = pages_mod.first_rows(store.counts, store.page)
     assert (first % store.page == 0).all()
     held_rows = store.keys.shape[0]
-    assert held_rows == int(store._segment_rows().sum()) >= sum(counts)
-    assert held_rows - sum(counts) <= ragged_mod.PAD_SHARE * sum(counts)
+    assert held_rows == int(pages_mod.segment_rows(store.counts, store.page).sum()) >= sum(counts)
+    assert held_rows - sum(counts) <= pages_mod.PAD_SHARE * sum(counts)
     # every tensor as held: rows of K and V (padding included), int32 positions, counts
     assert store.nbytes() == held_rows * (2 * 8 * 4 + 4) + 3 * 8
     bk, _ = store.base_kv()  # the padded view reads the same entries as before
@@ -133,10 +134,10 @@ def test_decoding_over_pages_equals_decoding_over_the_flat_base(monkeypatch):
                             past_key_values=cache)
         return torch.stack(logits), kept, paged, cache
 
-    monkeypatch.setattr(ragged_mod, "PAD_SHARE", 1.0)
-    monkeypatch.setattr(ragged_mod, "PAGES", (8,))
+    monkeypatch.setattr(pages_mod, "PAD_SHARE", 1.0)
+    monkeypatch.setattr(pages_mod, "PAGES", (8,))
     got, got_kept, paged, cache = run()
-    monkeypatch.setattr(ragged_mod, "PAGES", ())  # always flat
+    monkeypatch.setattr(pages_mod, "PAGES", ())  # always flat
     want, want_kept, flat, flat_cache = run()
     assert paged > 0 and flat == 0
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
