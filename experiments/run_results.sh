@@ -563,6 +563,19 @@ print(round(next(x['tau'] for x in f if x['length'] == $1 and x['target'] == $2)
            kvgate eval ruler --model smollm2-135m "${pw[@]}" --lengths $n --limit 48 \
              --policies tova,knorm,streaming --budgets 0.125 --out $R/ruler/powered$sfx
          done ;;
+      # the main job's gate ranked under the budget (gate_rank; issue #65's threshold lever):
+      # one cut over all layers and KV heads (rank_g) or within every KV head (rank_h), at 75
+      # and 87.5% eviction, on the examples of the rows above
+      rank)
+         g=${GATE:-runs/cpt_kvzap_quick/gated}
+         [ -f $g/kvgate_config.json ] || { kvgate data oracle --config cpt_kvzap_quick
+           kvgate train --config cpt_kvzap_quick; }
+         for n in 2048 4096; do
+           sfx=""; [ $n = 4096 ] && sfx=_4k
+           kvgate eval ruler --checkpoint $g "${pw[@]}" --lengths $n --limit 48 \
+             --policies rank_g=gate_rank,rank_h=gate_rank --policy-opt rank_g.allocation=global \
+             --budgets 0.25,0.125 --out $R/ruler/powered_rank${GATE_TAG:-}$sfx
+         done ;;
       calibrate)
          for g in cpt_kvzap:local_gate cpt_oracle:attention_gate cpt_long:attention_gate; do
            kvgate eval calibrate --checkpoint runs/${g%%:*}/gated --policies ${g#*:} \

@@ -17,6 +17,7 @@ from kvgate.policies.ahakv import AhaKV
 from kvgate.policies.attention_gate import AttentionGatePolicy
 from kvgate.policies.base import Policy, PolicyError, make_policy, policy_options
 from kvgate.policies.full import Full
+from kvgate.policies.gate_rank import GateRank
 from kvgate.policies.h2o import H2O
 from kvgate.policies.knorm import KNorm
 from kvgate.policies.kvzip import KVzip
@@ -50,6 +51,7 @@ POLICIES: dict[str, type[Policy]] = {
     "kvzip": KVzip,
     "attention_gate": AttentionGatePolicy,
     "local_gate": LocalGatePolicy,
+    "gate_rank": GateRank,
 }
 
 
