@@ -42,7 +42,7 @@ import kvgate
 from kvgate.eval.benchmarks.ruler.tasks import generate
 
 # the policies that read a gated model's gates (an Attention-Gate, or a local MLP / linear gate)
-GATED = ("attention_gate", "local_gate")
+GATED = ("attention_gate", "local_gate", "gate_rank")
 UNTRAINED_NOTE = ("attention_gate: untrained gate (kvgate.patch on the base); the cost does not "
                   "depend on the gate's weights, only on how much it evicts (see kept)")
 

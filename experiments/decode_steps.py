@@ -31,7 +31,7 @@ import kvgate
 from kvgate.cache.fork import fork_cache, grow_capacity
 from kvgate.eval.benchmarks.ruler.tasks import generate
 
-GATED = ("attention_gate", "local_gate")
+GATED = ("attention_gate", "local_gate", "gate_rank")
 
 
 def parse_spec(spec: str) -> tuple[str, dict[str, int]]:

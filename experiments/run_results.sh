@@ -564,8 +564,8 @@ print(round(next(x['tau'] for x in f if x['length'] == $1 and x['target'] == $2)
              --policies tova,knorm,streaming --budgets 0.125 --out $R/ruler/powered$sfx
          done ;;
       # the main job's gate ranked under the budget (gate_rank; issue #65's threshold lever):
-      # one cut over all layers and KV heads (rank_g) or within every KV head (rank_h), at 75
-      # and 87.5% eviction, on the examples of the rows above
+      # one cut over all layers and KV heads (rank_g), at 75 and 87.5% eviction, on the examples
+      # of the rows above (within every KV head, rank_h, collapses: LOG 7q; RANK_HEAD=1 adds it)
       rank)
          g=${GATE:-runs/cpt_kvzap_quick/gated}
          [ -f $g/kvgate_config.json ] || { kvgate data oracle --config cpt_kvzap_quick
@@ -573,8 +573,24 @@ print(round(next(x['tau'] for x in f if x['length'] == $1 and x['target'] == $2)
          for n in 2048 4096; do
            sfx=""; [ $n = 4096 ] && sfx=_4k
            kvgate eval ruler --checkpoint $g "${pw[@]}" --lengths $n --limit 48 \
-             --policies rank_g=gate_rank,rank_h=gate_rank --policy-opt rank_g.allocation=global \
+             --policies rank_g=gate_rank${RANK_HEAD:+,rank_h=gate_rank} \
+             --policy-opt rank_g.allocation=global \
              --budgets 0.25,0.125 --out $R/ruler/powered_rank${GATE_TAG:-}$sfx
+         done ;;
+      # issue #65's training levers, each a variant of the main job's recipe (experiments/configs),
+      # trained on its labels and scored ranked globally as `rank` scores the main job's gate;
+      # a screen by default: LEVERS="rank25 attention" LENGTHS=2048 LIMIT=24 BUDGETS=0.25
+      levers)
+         for lever in ${LEVERS:-rank25 attention}; do
+           g=runs/lever_$lever/gated
+           [ -f $g/kvgate_config.json ] || kvgate train --config cpt_kvzap_quick \
+             --config $C/kvzap_$lever.yaml --run_dir runs/lever_$lever
+           for n in ${LENGTHS:-2048}; do
+             sfx=""; [ $n = 4096 ] && sfx=_4k
+             kvgate eval ruler --checkpoint $g "${pw[@]}" --lengths $n --limit ${LIMIT:-24} \
+               --policies rank_g=gate_rank --policy-opt rank_g.allocation=global \
+               --budgets ${BUDGETS:-0.25} --out $R/ruler/powered_lever_$lever$sfx
+           done
          done ;;
       calibrate)
          for g in cpt_kvzap:local_gate cpt_oracle:attention_gate cpt_long:attention_gate; do
@@ -680,21 +696,26 @@ print(round(next(v for k, v in r.items() if '|local_gate|' in k)['held_end_pct']
            cpt_kvzap_quick=$R/ruler/powered_cpt_kvzap_quick \
            cpt_kvzap_quick=$R/ruler/powered_cpt_kvzap_quick_4k \
            kvzip=$R/ruler/powered_kvzip kvzip=$R/ruler/powered_kvzip_4k
-         # the sweep at 4k, the gates at their calibrated thresholds (c25 / c75)
-         python experiments/summarize_sweep.py $R/ruler/powered_4k kvzip=$R/ruler/powered_kvzip_4k \
-           cpt_kvzap=$R/ruler/powered_cpt_kvzap_4k cpt_oracle=$R/ruler/powered_cpt_oracle_4k \
-           cpt_long=$R/ruler/powered_cpt_long cpt_long=$R/ruler/powered_cpt_long_4k --length 4096 \
-           $(for g in cpt_kvzap:local_gate cpt_oracle:attention_gate cpt_long:attention_gate; do
-               echo --place ${g%%:*}:c25=0.75 --place $g=0.5 --place ${g%%:*}:c75=0.25; done) \
-           --ref kvzip:kvzip_g
-         # the sweep at 2k and 1k: 25 / 50 / 75% eviction (at 1k also the calibrated 75%: c75)
-         for n in 2048 1024; do
-           python experiments/summarize_sweep.py $R/ruler/powered kvzip=$R/ruler/powered_kvzip \
-             cpt_kvzap=$R/ruler/powered_cpt_kvzap cpt_oracle=$R/ruler/powered_cpt_oracle \
-             cpt_long=$R/ruler/powered_cpt_long --length $n --ref kvzip:kvzip_g \
-             $(for g in cpt_kvzap:local_gate cpt_oracle:attention_gate cpt_long:attention_gate; do
-                 echo --place ${g%%:*}:e25=0.75 --place $g=0.5 --place ${g%%:*}:e75=0.25 \
-                   --place ${g%%:*}:c75=0.25; done)
+         # the sweep at 4k and 2k, 25 / 50 / 75 / 87.5% eviction: the gates at their calibrated
+         # thresholds (c25 / c75 / c875; at 2k cpt_kvzap's dialled by hand: e25 / e75) and the
+         # main job's gate ranked over all layers (quick:rank_g; powered rank)
+         for n in 4096 2048; do
+           sfx=""; c=c; [ $n = 4096 ] && sfx=_4k; [ $n = 2048 ] && c=e
+           python experiments/summarize_sweep.py $R/ruler/powered$sfx kvzip=$R/ruler/powered_kvzip$sfx \
+             cpt_kvzap=$R/ruler/powered_cpt_kvzap$sfx cpt_oracle=$R/ruler/powered_cpt_oracle$sfx \
+             cpt_long=$R/ruler/powered_cpt_long$sfx quick=$R/ruler/powered_cpt_kvzap_quick$sfx \
+             quick=$R/ruler/powered_rank$sfx --length $n --budgets 0.75,0.5,0.25,0.125 \
+             --ref kvzip:kvzip_g --place quick:c75=0.25 --place quick:c875=0.125 \
+             --place quick:local_gate=0.5 --place cpt_kvzap:${c}25=0.75 \
+             --place cpt_kvzap:local_gate=0.5 --place cpt_kvzap:${c}75=0.25 \
+             $(for g in cpt_oracle:attention_gate cpt_long:attention_gate; do
+                 echo --place ${g%%:*}:${c}25=0.75 --place $g=0.5 --place ${g%%:*}:${c}75=0.25; done)
+         done
+         # the training levers' screen (powered levers), paired with quick:rank_g
+         for lever in rank25 attention; do
+           [ -d $R/ruler/powered_lever_$lever ] && python experiments/summarize_sweep.py \
+             $R/ruler/powered quick=$R/ruler/powered_rank $lever=$R/ruler/powered_lever_$lever \
+             --length 2048 --budgets 0.25 --ref quick:rank_g
          done ;;
       *) echo "powered: PART must be heuristics, kvzip, sweep, more, p875, cpt_long, cpt_recipe, cpt_oracle, cpt_kvzap, decode, decode_held, screen, agree or table" >&2
          exit 2 ;;

@@ -66,7 +66,7 @@ def main(argv=None):
         best[b] = max(avgs, key=lambda r: avgs[r]["mean"]) if avgs else None
     print(f"length {n}, families {', '.join(families)}\n")
     ref = f" | vs {args.ref}" if args.ref else ""
-    print("| policy | " + " | ".join(f"{100 * (1 - b):.0f}% evicted: score [95% CI] (n), %Evict "
+    print("| policy | " + " | ".join(f"{round(100 * (1 - b), 1):g}% evicted: score [95% CI] (n), %Evict "
                                       f"| vs best heuristic{ref}" for b in budgets) + " |")
     print("|---|" + ("---|---|---|" if ref else "---|---|") * len(budgets))
     for r in rows:
