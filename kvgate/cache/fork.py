@@ -103,7 +103,7 @@ def concat_stores(stores: list[RaggedStore]) -> RaggedStore:
                       first.device, first.kv)
     flat = [s.packed() for s in stores]
     out.next_pos = torch.cat([s.next_pos for s in stores])
-    out.fill(type(first.rows).cat([rows for rows, _ in flat]),
+    out.fill(type(flat[0][0]).cat([rows for rows, _ in flat]),
              torch.cat([pos for _, pos in flat]), torch.cat([s.counts for s in stores]))
     return out
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from kvgate.cache.rows import PlainRows, QuantRows
+from kvgate.cache.rows import PagedRows, PlainRows, QuantRows
 
 # the page sizes (rows), largest first, and the padding a page size may add over the entries.
 # Smaller pages pad less but make attention score more, smaller pieces; below the smallest,
@@ -53,10 +53,11 @@ def first_rows(counts: Tensor, page: int) -> Tensor:
 
 
 def placed(rows: PlainRows | QuantRows, pos: Tensor, counts: Tensor, page: int, uniform: bool
-           ) -> tuple[PlainRows | QuantRows, Tensor]:
+           ) -> tuple[PlainRows | PagedRows | QuantRows, Tensor]:
     """A layout's entries given flat (segment-sorted, no padding: ``rows`` and int32 ``pos``),
     placed on their pages: each segment from its first row on, the padding rows zero with
-    position -1. As given when the layout has no padding."""
+    position -1; full-precision rows as ``PagedRows`` (each page's keys transposed, for
+    ``kvgate.attention.paged``). As given when the layout has no padding."""
     if page == 1 or uniform:
         return rows, pos
     n = len(rows)
@@ -69,7 +70,7 @@ def placed(rows: PlainRows | QuantRows, pos: Tensor, counts: Tensor, page: int, 
     out.put_(dst, rows)
     out_pos = torch.full((total,), -1, dtype=torch.int32, device=counts.device)
     out_pos[dst] = pos
-    return out, out_pos
+    return (PagedRows.of(out, page) if isinstance(out, PlainRows) else out), out_pos
 
 
 def page_index(counts: Tensor, page: int, longest: int) -> tuple[Tensor, Tensor]:

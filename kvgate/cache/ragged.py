@@ -2,8 +2,9 @@
 
 Layout (``S = B * H_kv`` segments, segment ``s = b * H_kv + h``):
 
-- *base*: ``keys`` / ``values`` ``[R, d]`` sorted by segment, then by slot; ``pos`` ``[R]``
-  int32 true positions; ``counts`` ``[S]``. Each segment's rows start on a page boundary and
+- *base*: ``rows`` (``kvgate.cache.rows``: keys / values ``[R, d]``, a paged base's keys
+  transposed page by page) sorted by segment, then by slot; ``pos`` ``[R]`` int32 true
+  positions; ``counts`` ``[S]``. Each segment's rows start on a page boundary and
   only its last page is padded (``kvgate.cache.pages``: ``page`` rows, chosen at each layout;
   the padding is held and counted in ``nbytes``), so heads that keep very different numbers of
   tokens cost what they keep plus less than a page each.
@@ -53,7 +54,7 @@ from torch import Tensor
 
 from kvgate.cache.pages import first_rows, page_for, page_index, placed, segment_rows
 from kvgate.cache.quant import KVQuant
-from kvgate.cache.rows import PlainRows, QuantRows, make_rows
+from kvgate.cache.rows import PagedRows, PlainRows, QuantRows, make_rows
 
 # when ``evict`` compacts: the holes pass this share of the held slots, or the tail this length
 HOLE_SHARE = 0.125
@@ -74,7 +75,7 @@ class RaggedStore:
         self.kv = KVQuant() if kv is None else kv  # how the base holds its rows
         segs = batch * kv_heads
         empty = torch.empty(0, head_dim, dtype=dtype, device=device)
-        self.rows: PlainRows | QuantRows = make_rows(self.kv, empty, empty.clone())
+        self.rows: PlainRows | PagedRows | QuantRows = make_rows(self.kv, empty, empty.clone())
         self.next_pos = torch.zeros(batch, dtype=torch.long, device=device)  # 1 + newest position
         self.pos = torch.empty(0, dtype=torch.int32, device=device)
         self.counts = torch.zeros(segs, dtype=torch.long, device=device)
@@ -133,7 +134,7 @@ class RaggedStore:
     @property
     def keys(self) -> Tensor:
         """The base keys ``[R, d]``, pages' padding included (dequantized when the rows are
-        quantized)."""
+        quantized, a copy when paged)."""
         return self.rows.dense()[0]
 
     @property
@@ -419,7 +420,8 @@ class RaggedStore:
         """Base keys/values as ``[B, H_kv, Tb, d]``: a view when uniform, else a padded gather."""
         shape = (self.batch, self.kv_heads, self._base_len, self.head_dim)
         idx = None if self._uniform else self._base_index().view(-1)
-        if idx is not None and self.kv.quantized:  # the codes gathered, then dequantized
+        if idx is not None and not isinstance(self.rows, PlainRows):  # codes or paged keys
+            # gathered by rows (codes then dequantized; page-transposed keys through a view)
             keys, values = self.rows.take(idx).dense()
             return keys.view(shape), values.view(shape)
         keys, values = self.rows.dense()  # dequantized each call when quantized: no copy kept
@@ -429,18 +431,16 @@ class RaggedStore:
         return keys.index_select(0, idx).view(shape), values.index_select(0, idx).view(shape)
 
     def pages(self) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-        """The base as it is held, in pages (``paged`` stores): keys and values
-        ``[N, page, d]`` (views of the rows; dequantized each call when quantized), the
-        segment of each page ``[N]`` and its place in the padded view's page grid ``[N]``
+        """The base as it is held, in pages (``paged`` stores): keys ``[N, d, page]``, each
+        page transposed, and values ``[N, page, d]`` (``PagedRows.pages``), the segment of
+        each page ``[N]`` and its place in the padded view's page grid ``[N]``
         (``segment * ceil(Tb / page)`` + its index in the segment): what
         ``kvgate.attention.paged.PagedKV`` reads."""
-        keys, values = self.rows.dense()
         if "page_seg" not in self._views:
             self._views["page_seg"], self._views["page_grid"] = page_index(
                 self.counts, self.page, self._base_len)
-        shape = (keys.shape[0] // self.page, self.page, self.head_dim)
-        return (keys.view(shape), values.view(shape), self._views["page_seg"],
-                self._views["page_grid"])
+        keys, values = self.rows.pages()  # a paged base is always PagedRows (``fill``)
+        return keys, values, self._views["page_seg"], self._views["page_grid"]
 
     def tail_kv(self) -> tuple[Tensor | None, Tensor | None]:
         return self.tail_k, self.tail_v

@@ -1,7 +1,8 @@
 """The rows a ``RaggedStore`` base holds: keys and values ``[R, d]``, full precision
-(``PlainRows``) or quantized (``QuantRows``), behind one small interface the store moves rows
-with (``take``, ``put_``, ``empty``, ``zeros``, ``cat``, ``clone``) and attention reads
-(``dense``). The store decides which row holds which entry (and which rows pad a page).
+(``PlainRows``), full precision on pages with each page's keys transposed (``PagedRows``) or
+quantized (``QuantRows``), behind one small interface the store moves rows with (``take``,
+``put_``, ``empty``, ``zeros``, ``cat``, ``clone``) and attention reads (``dense``). The store
+decides which row holds which entry (and which rows pad a page).
 
 ``QuantRows`` keeps every row's codes (``kvgate.cache.quant``) and, for the rows still inside
 the residual window, their exact keys and values besides (``exact`` row indices, ``exact_k`` /
@@ -65,6 +66,79 @@ class PlainRows:
     @staticmethod
     def cat(parts: list[PlainRows]) -> PlainRows:
         return PlainRows(torch.cat([p.keys for p in parts]), torch.cat([p.values for p in parts]))
+
+
+class PagedRows:
+    """Full-precision rows ``[N * P, d]`` on ``N`` pages of ``P``, the keys held page by page
+    transposed: ``keys_t`` ``[N, d, P]`` contiguous (row ``r`` is column ``r % P`` of page
+    ``r // P``), ``values`` ``[N * P, d]``. Scoring a page is then a product with a contiguous
+    ``[d, P]`` matrix: on one CPU thread, 99 pages of 64 rows (d = 64) against 3 query rows
+    each took 1.7-3.5x less time than against the transposed view of ``[P, d]`` rows. Each
+    key is held once: ``take`` and ``put_`` read and write rows through the strided
+    ``[N, P, d]`` view.
+
+    New rows (``empty``, ``zeros``, ``take``) are flat ``PlainRows``: a base is built flat and
+    goes onto pages only when placed (``kvgate.cache.pages.placed``, by ``of``); stores are
+    concatenated flat too (``RaggedStore.packed``), so there is no ``cat``."""
+
+    __slots__ = ("keys_t", "values")
+
+    def __init__(self, keys_t: Tensor, values: Tensor) -> None:
+        self.keys_t, self.values = keys_t, values
+
+    @classmethod
+    def of(cls, rows: PlainRows, page: int) -> PagedRows:
+        """``rows`` ``[N * P, d]`` on pages of ``page``: the keys transposed per page (a
+        transient copy: the flat keys are dropped)."""
+        n, d = rows.keys.shape
+        keys_t = rows.keys.view(n // page, page, d).transpose(1, 2).contiguous()
+        return cls(keys_t, rows.values)
+
+    def __len__(self) -> int:
+        return self.values.shape[0]
+
+    def _cells(self, idx: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """The ``[N, P, d]`` view of the keys (no copy), and rows ``idx``'s page and column."""
+        page = self.keys_t.shape[2]
+        return (self.keys_t.transpose(1, 2), idx.div(page, rounding_mode="floor"),
+                idx.remainder(page))
+
+    def take(self, idx: Tensor) -> PlainRows:
+        view, page, col = self._cells(idx)
+        return PlainRows(view[page, col], self.values.index_select(0, idx))
+
+    def put_(self, idx: Tensor, rows: PlainRows) -> None:
+        view, page, col = self._cells(idx)
+        view[page, col], self.values[idx] = rows.keys, rows.values
+
+    def empty(self, n: int) -> PlainRows:
+        return PlainRows(self.values.new_empty(n, self.keys_t.shape[1]),
+                         self.values.new_empty(n, self.values.shape[1]))
+
+    def zeros(self, n: int) -> PlainRows:
+        return PlainRows(self.values.new_zeros(n, self.keys_t.shape[1]),
+                         self.values.new_zeros(n, self.values.shape[1]))
+
+    def clone(self) -> PagedRows:
+        return PagedRows(self.keys_t.clone(), self.values.clone())
+
+    def aged(self, recent: Tensor) -> PagedRows:
+        return self
+
+    def dense(self) -> tuple[Tensor, Tensor]:
+        """Keys and values ``[N * P, d]``; the keys a copy, back in rows."""
+        return self.keys_t.transpose(1, 2).reshape(len(self), self.keys_t.shape[1]), self.values
+
+    def pages(self) -> tuple[Tensor, Tensor]:
+        """Keys ``[N, d, P]`` and values ``[N, P, d]``, as held (views)."""
+        n, _, page = self.keys_t.shape
+        return self.keys_t, self.values.view(n, page, self.values.shape[1])
+
+    def tensors(self) -> list[Tensor]:
+        return [self.keys_t, self.values]
+
+    def nbytes(self) -> int:
+        return _nbytes(*self.tensors())
 
 
 class QuantRows:
@@ -158,4 +232,4 @@ def make_rows(kv: KVQuant, keys: Tensor, values: Tensor) -> PlainRows | QuantRow
     return QuantRows.encode(keys, values, kv) if kv.quantized else PlainRows(keys, values)
 
 
-__all__ = ["PlainRows", "QuantRows", "make_rows"]
+__all__ = ["PagedRows", "PlainRows", "QuantRows", "make_rows"]
