@@ -14,7 +14,7 @@ from kvgate.policies.base import Budget, DecodeEvicting
 # need a gated model: tested below, in tests/policies and tests/gate/test_kinds.py; a PassScoring
 # policy (kvzip) needs its extra passes, which model.generate does not run:
 # tests/policies/test_kvzip.py runs it through the engine
-LEARNED = {"attention_gate", "local_gate"}
+LEARNED = {"attention_gate", "local_gate", "gate_rank"}
 HEURISTICS = [name for name in list_policies()
               if name not in LEARNED and not issubclass(policy_class(name), PassScoring)]
 # random eviction draws per batch row, so a batch need not equal its rows run alone

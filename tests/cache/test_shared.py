@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import build, tiny_mistral_config
+from conftest import build, patch_evicting, tiny_mistral_config
 
 from kvgate.cache import CacheError, CompressedCache
 from kvgate.cache.shared import SharedPrefill, _fill_layer, shares_prefill
@@ -15,11 +15,12 @@ from kvgate.policies.contract import EncodeMasking, PassScoring, StreamingPrefil
 
 SMALL = {"snapkv": {"window": 4}, "pyramidkv": {"window": 4},
          "adakv": {"inner_options": {"window": 4}}, "ahakv": {"recent": 4},
-         "h2o": {"recent": 0.5}}
+         "h2o": {"recent": 0.5}, "gate_rank": {"window": 4}}
 LEARNED = {"attention_gate", "local_gate"}
 RANDOMISED = {"nacl", "random"}  # draw per call: a second run is another draw
 # what evaluations share a prefill among: every test below checks such a policy's filled cache
 ONE_SHOT = [n for n in list_policies() if shares_prefill(get_policy(n, **SMALL.get(n, {})))]
+RANKS_THE_GATE = {"gate_rank"}  # one-shot too, but it reads a gated model's scores
 
 
 @pytest.fixture(scope="module")
@@ -59,10 +60,21 @@ def _same_store(a: CompressedCache, b: CompressedCache) -> None:
 def test_every_one_shot_policy_equals_its_own_prefill(model):
     """Each heuristic at two budgets, one prefill: the stores, decode statistics and
     capacities equal the policy's own run; the prefill's logits are the full cache's."""
+    _equals_own_prefill(model, [n for n in ONE_SHOT if n not in RANKS_THE_GATE])
+
+
+def test_the_gate_ranking_policy_equals_its_own_prefill():
+    """The same for the policy that ranks a gate's scores, on a gated model."""
+    model = build(tiny_mistral_config(num_key_value_heads=2))
+    patch_evicting(model, "mlp")
+    _equals_own_prefill(model, sorted(RANKS_THE_GATE))
+
+
+def _equals_own_prefill(model, names: list[str]) -> None:
     ids, mask, pos = _batch()
     budgets = (0.5, 0.25)
     variants = {f"{n}@{b}": (get_policy(n, **SMALL.get(n, {})), Budget(ratio=b))
-                for n in ONE_SHOT for b in budgets}
+                for n in names for b in budgets}
     torch.manual_seed(0)
     shared = SharedPrefill(model, variants)
     logits = _prefill(model, shared, ids, mask, pos)

@@ -23,9 +23,9 @@ from kvgate.policies.contract import PassScoring, StreamingPrefill
 KV = {"kv_bits": 4, "kv_group": 8, "kv_residual": 4}
 PROMPTS = ["the cat sat on the mat and the dog lay by the door, quietly.",
            "alpha beta gamma delta epsilon"]
-GATES = {"attention_gate", "local_gate"}
+GATES = {"attention_gate", "local_gate", "gate_rank"}  # gate_rank ranks a local gate's scores
 SMALL = {"snapkv": {"window": 4}, "pyramidkv": {"window": 4}, "ahakv": {"recent": 4},
-         "adakv": {"inner_options": {"window": 4}}, "roco": {"block": 4}}
+         "adakv": {"inner_options": {"window": 4}}, "roco": {"block": 4}, "gate_rank": {"window": 4}}
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +36,7 @@ def models():
 
 def _gated(model, name):
     torch.manual_seed(0)
-    if name == "local_gate":
+    if name in ("local_gate", "gate_rank"):
         patch_evicting(model, "mlp")
     else:
         patch(model, GateConfig(gamma=0.0, tau=0.5))
