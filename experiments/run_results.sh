@@ -584,7 +584,7 @@ print(round(next(x['tau'] for x in f if x['length'] == $1 and x['target'] == $2)
          for lever in ${LEVERS:-rank25 attention}; do
            g=runs/lever_$lever/gated
            [ -f $g/kvgate_config.json ] || kvgate train --config cpt_kvzap_quick \
-             --config $C/kvzap_$lever.yaml --run_dir runs/lever_$lever
+             --config $C/lever_$lever.yaml --run_dir runs/lever_$lever
            for n in ${LENGTHS:-2048}; do
              sfx=""; [ $n = 4096 ] && sfx=_4k
              kvgate eval ruler --checkpoint $g "${pw[@]}" --lengths $n --limit ${LIMIT:-24} \
