@@ -40,9 +40,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import kvgate
 from kvgate.eval.benchmarks.ruler.tasks import generate
+from kvgate.policies import policy_class
 
-# the policies that read a gated model's gates (an Attention-Gate, or a local MLP / linear gate)
-GATED = ("attention_gate", "local_gate", "gate_rank")
+
+def reads_gate(policy: str) -> bool:
+    """Whether ``policy`` reads a gated model's gates (``Policy.needs_gate``)."""
+    return policy_class(policy).needs_gate
+
+
 UNTRAINED_NOTE = ("attention_gate: untrained gate (kvgate.patch on the base); the cost does not "
                   "depend on the gate's weights, only on how much it evicts (see kept)")
 
@@ -70,11 +75,11 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def load_models(args):
     """(base, gated or None, tokenizer, note)."""
-    need_gate = any(p in GATED for p in args.policies)
+    need_gate = any(reads_gate(p) for p in args.policies)
     if args.checkpoint:
         gated, tok, _ = kvgate.load_gated(args.checkpoint)
         base = None
-        if [p for p in args.policies if p not in GATED]:
+        if [p for p in args.policies if not reads_gate(p)]:
             base, _ = kvgate.load_base(args.base)
         return base, gated, tok, f"gated policies: gated export {args.checkpoint}"
     base, tok = kvgate.load_base(args.base)
@@ -88,7 +93,7 @@ def load_models(args):
 
 
 def engine_for(policy: str, base, gated, tok, budget: float):
-    model = gated if policy in GATED else base
+    model = gated if reads_gate(policy) else base
     return kvgate.Engine(model, tok, policy, budget)
 
 

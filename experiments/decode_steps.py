@@ -30,8 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import kvgate
 from kvgate.cache.fork import fork_cache, grow_capacity
 from kvgate.eval.benchmarks.ruler.tasks import generate
-
-GATED = ("attention_gate", "local_gate", "gate_rank")
+from kvgate.policies import policy_class
 
 
 def parse_spec(spec: str) -> tuple[str, dict[str, int]]:
@@ -68,9 +67,9 @@ def main(argv=None) -> dict[str, float]:
     torch.set_num_threads(1)
     specs = [s for s in args.policies.split(",") if s]
     gated = tok = base = None
-    if any(parse_spec(s)[0] in GATED for s in specs):
+    if any(policy_class(parse_spec(s)[0]).needs_gate for s in specs):
         gated, tok, _ = kvgate.load_gated(args.checkpoint)
-    if any(parse_spec(s)[0] not in GATED for s in specs):
+    if any(not policy_class(parse_spec(s)[0]).needs_gate for s in specs):
         base, tok = kvgate.load_base(args.base)
     ex = generate("niah_single_1", tok, args.length, seed=0)
     question = torch.tensor([tok(ex.question, add_special_tokens=False)["input_ids"]])
@@ -78,7 +77,7 @@ def main(argv=None) -> dict[str, float]:
     runs = {}
     for spec in specs:
         name, options = parse_spec(spec)
-        model = gated if name in GATED else base
+        model = gated if policy_class(name).needs_gate else base
         engine = kvgate.Engine(model, tok, kvgate.get_policy(name, **options), 0.5)
         compressed = engine.compress([ex.context])
         pages = sorted({layer.store.page for layer in compressed.cache.layers})

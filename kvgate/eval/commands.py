@@ -88,12 +88,9 @@ def load_model(cfg: EvalConfig) -> Loaded:
 
 
 def needs_gate(policy: Policy) -> bool:
-    """A learned-gate policy (``attention_gate`` or one built on it, ``local_gate``): it
-    runs only on a gated model."""
-    from kvgate.policies.attention_gate import AttentionGatePolicy
-    from kvgate.policies.local_gate import LocalGatePolicy
-
-    return isinstance(policy, (AttentionGatePolicy, LocalGatePolicy))
+    """A learned-gate policy (``attention_gate``, ``local_gate``, ``gate_rank``: the class
+    declares ``needs_gate``): it runs only on a gated model."""
+    return policy.needs_gate
 
 
 def gate_refusal(policy: Policy, gates: list[Any]) -> str | None:

@@ -65,6 +65,7 @@ class AttentionGatePolicy(EncodeMasking):
     name = "attention_gate"
     needs_attention = False
     budget_free = True
+    needs_gate = True
 
     def __post_init__(self) -> None:
         check_share(self.name, "tail", self.tail)

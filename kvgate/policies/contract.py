@@ -194,6 +194,8 @@ class Policy(ABC):
     from the prefill's own attention in the same pass.
     ``encode_mask``: whether the prompt is encoded under the keep mask (see ``EncodeMasking``);
     False for every policy that does not subclass it.
+    ``needs_gate``: ``keep`` reads the layer's trained gate, so the policy runs only on a gated
+    model (commands and benches load one for it, or refuse in one line).
     """
 
     name: str = "base"
@@ -201,6 +203,7 @@ class Policy(ABC):
     budget_free: bool = False
     column_sums: bool = False
     encode_mask: bool = False
+    needs_gate: bool = False
 
     @abstractmethod
     def keep(self, prompt: LayerPrompt, budget: Budget) -> Tensor:

@@ -44,6 +44,7 @@ class GateRank(ScoredPolicy, AllocationOption):
 
     name = "gate_rank"
     needs_attention = False  # the gate reads hidden states, not the layer's attention
+    needs_gate = True
 
     window: int = 128
 

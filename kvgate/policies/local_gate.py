@@ -81,6 +81,7 @@ class LocalGatePolicy(EncodeMasking, RowScoring):
     name = "local_gate"
     needs_attention = False
     budget_free = True
+    needs_gate = True
 
     def __post_init__(self) -> None:
         check_tau(self.name, self.tau)

@@ -252,6 +252,7 @@ def test_declared_contracts():
     assert POLICIES["roco"]().block >= 1
     assert {n for n, cls in POLICIES.items() if issubclass(cls, EncodeMasking)} == LEARNED - {
         "gate_rank"}  # it ranks after a full prefill
+    assert {n for n, cls in POLICIES.items() if cls.needs_gate} == LEARNED  # what runs on gates
     prompt = make_prompt()
     assert all(prefill_band(build(name), prompt) is None for name in NAMES)
     assert not any(build(name).encode_mask for name in NAMES)
