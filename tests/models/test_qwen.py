@@ -36,7 +36,7 @@ from kvgate.training.export import export_module
 from kvgate.training.module import KVGateModule
 
 CONFIGS = {"qwen2": tiny_qwen2_config, "qwen3": tiny_qwen3_config}
-LEARNED = {"attention_gate", "local_gate"}  # need a gated model: the export test
+LEARNED = {n for n in list_policies() if policy_class(n).needs_gate}  # gated: the export test
 SMALL = {"snapkv": {"window": 4}, "pyramidkv": {"window": 4},
          "adakv": {"inner_options": {"window": 4}}, "ahakv": {"recent": 4},
          "h2o": {"recent": 0.5}, "roco": {"block": 4}}

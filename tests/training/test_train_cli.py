@@ -93,8 +93,11 @@ def test_ablation_variants_layer_on_the_recipe(path, no_model_load, monkeypatch)
                       path.read_text().splitlines() if line.startswith("#"))
     command = header.split("python train.py", 1)[1].split(" #")[0]
     layers = re.findall(r"--config (\S+)", command)
-    assert layers[0] == "cpt_recipe" and layers[-1] == f"experiments/configs/{path.name}", layers
-    out = f"runs/abl_{path.stem}"
+    # the recipe a variant starts from: cpt_recipe for the ablations (runs/abl_NAME), the main
+    # job's for issue #65's levers (runs/NAME)
+    assert (ROOT / "configs" / f"{layers[0]}.yaml").is_file(), layers
+    assert layers[-1] == f"experiments/configs/{path.name}", layers
+    out = f"runs/abl_{path.stem}" if layers[0] == "cpt_recipe" else f"runs/{path.stem}"
     assert re.findall(r"--run_dir (\S+)", command) == [out], command
 
     def build(*extra, run_dir=None):
