@@ -563,6 +563,15 @@ print(round(next(x['tau'] for x in f if x['length'] == $1 and x['target'] == $2)
            kvgate eval ruler --model smollm2-135m "${pw[@]}" --lengths $n --limit 48 \
              --policies tova,knorm,streaming --budgets 0.125 --out $R/ruler/powered$sfx
          done ;;
+      # KVzip ranked globally at 87.5% eviction (issue #65), 24 a family as its other cells;
+      # LENGTHS="2048 4096" by default (at 4k ~3 min an example)
+      kvzip875)
+         for n in ${LENGTHS:-2048 4096}; do
+           sfx=""; [ $n = 4096 ] && sfx=_4k
+           kvgate eval ruler --model smollm2-135m "${pw[@]}" --policies kvzip_g=kvzip \
+             --policy-opt kvzip_g.allocation=global --budgets 0.125 --lengths $n --limit 24 \
+             --out $R/ruler/powered_kvzip$sfx
+         done ;;
       # the main job's gate ranked under the budget (gate_rank; issue #65's threshold lever):
       # one cut over all layers and KV heads (rank_g), at 75 and 87.5% eviction, on the examples
       # of the rows above (within every KV head, rank_h, collapses: LOG 7q; RANK_HEAD=1 adds it)
