@@ -182,7 +182,8 @@ def test_the_page_bias_hides_what_the_store_hides(dtype):
         (out, logits), (want, want_logits) = both()
         assert torch.equal(logits == -math.inf, want_logits == -math.inf)
         assert (logits[0, 2:4, 0, 7:20] == -math.inf).all()  # the holes of KV head 1
-        tol = dict(atol=1e-6, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+        tight = dtype == torch.float32
+        tol = {"atol": 1e-6, "rtol": 1e-5} if tight else {"atol": 2e-2, "rtol": 2e-2}
         torch.testing.assert_close(logits, want_logits, **tol)
         torch.testing.assert_close(out, want, **tol)
         keep = store.slot_valid().clone()
