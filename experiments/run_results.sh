@@ -602,15 +602,15 @@ print(round(next(x['tau'] for x in f if x['length'] == $1 and x['target'] == $2)
            done
          done ;;
       # the attention-kind recipe (configs/cpt_kvzap_attention.yaml, the lever above made a
-      # recipe) ranked over all layers at 25 / 50 / 75 / 87.5% eviction, 48 a family, trained
-      # first if missing -> $R/ruler/powered_cpt_kvzap_attention[_4k]
+      # recipe) ranked over all layers at 25 / 50 / 75 / 87.5% eviction, LIMIT (48) a family,
+      # trained first if missing -> $R/ruler/powered_cpt_kvzap_attention[_4k]
       attention)
          g=runs/cpt_kvzap_attention/gated
          [ -f $g/kvgate_config.json ] || { kvgate data oracle --config cpt_kvzap_attention
            kvgate train --config cpt_kvzap_attention; }
          for n in ${LENGTHS:-2048 4096}; do
            sfx=""; [ $n = 4096 ] && sfx=_4k
-           kvgate eval ruler --checkpoint $g "${pw[@]}" --lengths $n --limit 48 \
+           kvgate eval ruler --checkpoint $g "${pw[@]}" --lengths $n --limit ${LIMIT:-48} \
              --policies rank_g=gate_rank --policy-opt rank_g.allocation=global \
              --budgets 0.75,0.5,0.25,0.125 --out $R/ruler/powered_cpt_kvzap_attention$sfx
          done ;;
