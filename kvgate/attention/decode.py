@@ -17,7 +17,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from kvgate.attention.paged import PagedKV, paged_logits, paged_output, paged_width
+from kvgate.attention.paged import PagedKV, paged_logits, paged_output
 
 
 class KVPart(NamedTuple):
@@ -31,12 +31,6 @@ class KVPart(NamedTuple):
 
 def _length(part: KVPart | PagedKV) -> int:
     return part.slots if isinstance(part, PagedKV) else part.keys.shape[2]
-
-
-def _width(part: KVPart | PagedKV) -> int:
-    """Columns a part takes in the logits buffer: a paged part's page grid is wider than its
-    slots by the padding of the longest segment's last page."""
-    return paged_width(part) if isinstance(part, PagedKV) else part.keys.shape[2]
 
 
 def multipart_attention(query: Tensor, parts: list[KVPart | PagedKV], scaling: float,
@@ -55,36 +49,30 @@ def multipart_attention(query: Tensor, parts: list[KVPart | PagedKV], scaling: f
     hk = parts[0].kv_heads if isinstance(parts[0], PagedKV) else parts[0].keys.shape[1]
     g = h // hk
     q = query.reshape(b, hk, g * r, d)
-    widths = [_width(p) for p in parts]
-    # one buffer for every part's logits: each part writes its columns, one softmax reads all
-    logits = q.new_empty(b, hk, g * r, sum(widths), dtype=torch.float32)
-    start = 0
-    for part, w in zip(parts, widths):  # a loop over the (two) parts
-        s = logits[..., start:start + w]
-        if isinstance(part, PagedKV):
-            paged_logits(q, part, scaling, s)
-        else:
-            s.copy_(torch.matmul(q, part.keys.transpose(-1, -2))).mul_(scaling)
-        if part.visible is not None and not (isinstance(part, PagedKV) and part.bias is not None):
-            t = _length(part)  # a page grid's columns past its slots hold -inf already
+    scores = []
+    for part in parts:  # a loop over the (two) parts
+        s = (paged_logits(q, part) if isinstance(part, PagedKV)
+             else torch.matmul(q, part.keys.transpose(-1, -2)))
+        s = (s if s.dtype == torch.float32 else s.float()).mul_(scaling)
+        if part.visible is not None:
+            t = s.shape[-1]
             hidden = ~part.visible.unsqueeze(2)  # [B, H_kv|1, 1 (group), r|1, T]
-            s[..., :t].view(b, hk, g, r, t).masked_fill_(hidden, -math.inf)
-        start += w
+            s = s.view(b, hk, g, r, t).masked_fill(hidden, -math.inf).view(b, hk, g * r, t)
+        scores.append(s)
+    logits = scores[0] if len(scores) == 1 else torch.cat(scores, dim=-1)
     probs = torch.softmax(logits, dim=-1)
     if all(p.visible is not None for p in parts):  # only then can a row see nothing
         probs = probs.nan_to_num_(0.0)
     out = None
     start = 0
-    for part, w in zip(parts, widths):
-        p = probs[..., start:start + w]
+    for part in parts:
+        t = _length(part)
+        p = probs[..., start:start + t]
         p = p if p.dtype == part.values.dtype else p.to(part.values.dtype)
         o = paged_output(p, part) if isinstance(part, PagedKV) else torch.matmul(p, part.values)
         out = o if out is None else out + o
-        start += w
+        start += t
     out = out.view(b, hk, g, r, d).reshape(b, h, r, d).transpose(1, 2)
     if not return_logits:
         return out, None
-    if widths != [_length(p) for p in parts]:  # the slot view: each part's first slots
-        starts = [sum(widths[:i]) for i in range(len(parts))]
-        logits = torch.cat([logits[..., s:s + _length(p)] for s, p in zip(starts, parts)], -1)
     return out, logits.view(b, hk, g, r, -1).reshape(b, h, r, -1)

@@ -392,10 +392,8 @@ class CompressedCache(HandlerCache):
             kept = ~holes if seen is None else seen[..., tb:]
             tail_vis = kept if tail_vis is None else tail_vis & kept
         if store.paged:  # a ragged base read in its pages, where it lies (never None: ragged)
-            # the store's own visibility as an additive bias, when nothing else hides a slot
-            bias = store.page_bias() if all_valid and not window else None
-            keys, values, seg, index = store.pages()
-            base = PagedKV(keys, values, base_vis, seg, index, tb, store.kv_heads, bias)
+            keys, values, seg, grid = store.pages()
+            base = PagedKV(keys, values, base_vis, seg, grid, tb, store.kv_heads)
         else:  # a view of a uniform base, or a flat one gathered padded
             base = KVPart(*store.base_kv(), base_vis)
         out, logits = multipart_attention(query, [base, KVPart(tail_k, tail_v, tail_vis)],

@@ -73,14 +73,16 @@ def placed(rows: PlainRows | QuantRows, pos: Tensor, counts: Tensor, page: int, 
     return (PagedRows.of(out, page) if isinstance(out, PlainRows) else out), out_pos
 
 
-def page_index(counts: Tensor, page: int) -> tuple[Tensor, Tensor]:
-    """``(seg, index)`` ``[N]`` of a paged layout's ``N`` pages: each page's segment and its
-    index within the segment (what ``kvgate.attention.paged.PagedKV`` reads)."""
+def page_index(counts: Tensor, page: int, longest: int) -> tuple[Tensor, Tensor]:
+    """``(seg, grid)`` ``[N]`` of a paged layout's ``N`` pages: each page's segment, and its
+    place in the padded view's page grid, ``seg * ceil(longest / page)`` + its index in the
+    segment (what ``kvgate.attention.paged.PagedKV`` reads)."""
     per = segment_rows(counts, page).div(page, rounding_mode="floor")  # [S] pages
     n = int(per.sum())
     seg = torch.repeat_interleave(torch.arange(per.shape[0], device=counts.device), per,
                                   output_size=n)
-    return seg, torch.arange(n, device=counts.device) - (per.cumsum(0) - per)[seg]
+    index = torch.arange(n, device=counts.device) - (per.cumsum(0) - per)[seg]
+    return seg, seg * -(-longest // page) + index
 
 
 __all__ = ["PAD_SHARE", "PAGES", "first_rows", "page_for", "page_index", "placed",

@@ -48,7 +48,6 @@ order, which nothing reads (positions are stored per slot).
 from __future__ import annotations
 
 import copy
-import math
 
 import torch
 from torch import Tensor
@@ -90,8 +89,8 @@ class RaggedStore:
         self._index: Tensor | None = None  # [S, Tb] row of every base slot (lazy)
         # per-layout views of the stored data (bookkeeping, like _index: not in nbytes), built
         # lazily, dropped when the layout changes: "base_valid" [B, H_kv, Tb]; "page_seg",
-        # "page_index" [N_pages] (pages); "base_visible" [B, H_kv, 1, Tb] and "page_bias"
-        # [N_pages, 1, page] (dropped too when holes are marked); "slot_pos" [B, H_kv, T'], marked by evict, grown by slot_positions to T
+        # "page_grid" [N_pages] (pages); "base_visible" [B, H_kv, 1, Tb] (dropped too when holes
+        # are marked); "slot_pos" [B, H_kv, T'], marked by evict, grown by slot_positions to T
         self._views: dict[str, Tensor] = {}
         self._held: int | None = None  # entries in the base (lazy: counts.sum())
         self._hole_count = 0  # slots marked in holes
@@ -333,7 +332,6 @@ class RaggedStore:
             # a hole in the tail makes attention mask the tail too (one read per round)
             self._tail_holes = self._tail_holes or bool(dropped[..., self._base_len:].any())
             self._views.pop("base_visible", None)
-            self._views.pop("page_bias", None)
         return None
 
     def realign(self, x: Tensor, moves: Tensor) -> Tensor:
@@ -435,28 +433,14 @@ class RaggedStore:
     def pages(self) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """The base as it is held, in pages (``paged`` stores): keys ``[N, d, page]``, each
         page transposed, and values ``[N, page, d]`` (``PagedRows.pages``), the segment of
-        each page ``[N]`` and its index within the segment ``[N]``: what
+        each page ``[N]`` and its place in the padded view's page grid ``[N]``
+        (``segment * ceil(Tb / page)`` + its index in the segment): what
         ``kvgate.attention.paged.PagedKV`` reads."""
         if "page_seg" not in self._views:
-            self._views["page_seg"], self._views["page_index"] = page_index(self.counts,
-                                                                            self.page)
+            self._views["page_seg"], self._views["page_grid"] = page_index(
+                self.counts, self.page, self._base_len)
         keys, values = self.rows.pages()  # a paged base is always PagedRows (``fill``)
-        return keys, values, self._views["page_seg"], self._views["page_index"]
-
-    def page_bias(self) -> Tensor:
-        """``[N, 1, page]`` float32 of a paged base: 0 at the rows attention reads, -inf at
-        padding rows and holes (``visible_base`` in page layout, ``PagedKV.bias``); built once
-        per layout and again after holes are marked."""
-        bias = self._views.get("page_bias")
-        if bias is None:
-            _, _, seg, index = self.pages()
-            per, tb = -(-self._base_len // self.page), self._base_len
-            visible = self.visible_base().reshape(-1, tb)  # [S, Tb]
-            visible = torch.nn.functional.pad(visible, (0, per * self.page - tb))
-            rows = visible.view(-1, per, self.page)[seg, index]  # [N, page]
-            bias = torch.zeros(rows.shape, dtype=torch.float32, device=self.device)
-            bias = self._views["page_bias"] = bias.masked_fill_(~rows, -math.inf)[:, None, :]
-        return bias
+        return keys, values, self._views["page_seg"], self._views["page_grid"]
 
     def tail_kv(self) -> tuple[Tensor | None, Tensor | None]:
         return self.tail_k, self.tail_v

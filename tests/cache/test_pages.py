@@ -48,10 +48,9 @@ def test_segments_start_on_pages_and_the_padding_is_held_and_counted():
     for h, c in enumerate(counts):
         assert torch.equal(bk[0, h, :c], k[0, h, :c])
         assert store.slot_positions()[0, h, :c].tolist() == list(range(c))
-    keys, _, seg, index = store.pages()
+    keys, _, seg, grid = store.pages()
     per = -(-store.base_len // store.page)
-    padded = torch.zeros(3 * per, store.page, 8).index_copy_(0, seg * per + index,
-                                                                keys.transpose(1, 2))
+    padded = torch.zeros(3 * per, store.page, 8).index_copy_(0, grid, keys.transpose(1, 2))
     padded = padded.view(1, 3, per * store.page, 8)[:, :, :store.base_len]
     valid = store.base_slot_valid()[..., None]
     assert torch.equal(padded * valid, bk * valid)
@@ -91,8 +90,7 @@ def _assert_held_once_transposed(store: RaggedStore, counts: list[int], k=None) 
             assert torch.equal(rows[first:first + c], k[0, h, :c])
     held = n * p * (2 * 8 * 4 + 4) + 8 * len(counts)  # K, V (float32), int32 positions, counts
     assert store.nbytes() == held == _storage_bytes(store)
-    # no keys cached (the page bias, 4 bytes a row like the positions, is bookkeeping)
-    assert not any(v.is_floating_point() for k, v in store._views.items() if k != "page_bias")
+    assert not any(v.is_floating_point() for v in store._views.values())  # no keys cached
 
 
 def _storage_bytes(store: RaggedStore) -> int:
@@ -144,8 +142,8 @@ def test_paged_attention_equals_the_gathered_padded_view(r, group):
     visible = store.base_slot_valid()[:, :, None, :] & (
         torch.rand(1, 3, r, store.base_len, generator=g) > 0.1)  # holes, windows: any mask
     visible[0, 1, 0] = False  # a row that sees nothing of one head's base
-    keys, values, seg, index = store.pages()
-    paged = PagedKV(keys, values, visible, seg, index, store.base_len, 3)
+    keys, values, seg, grid = store.pages()
+    paged = PagedKV(keys, values, visible, seg, grid, store.base_len, 3)
     dense = KVPart(*store.base_kv(), visible)
     tail = KVPart(tail_k, tail_v, None)
     out, logits = multipart_attention(query, [paged, tail], 0.25, return_logits=True)
@@ -153,42 +151,6 @@ def test_paged_attention_equals_the_gathered_padded_view(r, group):
     torch.testing.assert_close(out, want, atol=1e-6, rtol=1e-5)
     assert torch.equal(logits == -math.inf, want_logits == -math.inf)
     torch.testing.assert_close(logits, want_logits, atol=1e-6, rtol=1e-5)
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_page_bias_hides_what_the_store_hides(dtype):
-    """A decode step passes the store's own visibility as an additive bias in page layout
-    (``RaggedStore.page_bias``, applied inside the product): the same outputs and logits as
-    the gathered view under ``visible_base``, padding and holes hidden, and the bias follows
-    the holes marked later."""
-    store, _ = _store([300, 437, 512], d=16, seed=3)
-    keep = store.slot_valid().clone()
-    keep[0, 1, 7:20] = False  # holes, below the compaction share
-    assert store.evict(keep) is None
-    g = torch.Generator().manual_seed(4)
-    query = torch.randn(1, 6, 1, 16, generator=g).to(dtype)
-    tail = KVPart(*(torch.randn(1, 3, 4, 16, generator=g).to(dtype) for _ in range(2)), None)
-    keys, values, seg, index = store.pages()
-
-    def both():
-        visible = store.visible_base()
-        paged = PagedKV(keys.to(dtype), values.to(dtype), visible, seg, index, store.base_len, 3,
-                        store.page_bias())
-        dense = KVPart(*(x.to(dtype) for x in store.base_kv()), visible)
-        return (multipart_attention(query, [paged, tail], 0.25, return_logits=True),
-                multipart_attention(query, [dense, tail], 0.25, return_logits=True))
-
-    for _ in range(2):
-        (out, logits), (want, want_logits) = both()
-        assert torch.equal(logits == -math.inf, want_logits == -math.inf)
-        assert (logits[0, 2:4, 0, 7:20] == -math.inf).all()  # the holes of KV head 1
-        tight = dtype == torch.float32
-        tol = {"atol": 1e-6, "rtol": 1e-5} if tight else {"atol": 2e-2, "rtol": 2e-2}
-        torch.testing.assert_close(logits, want_logits, **tol)
-        torch.testing.assert_close(out, want, **tol)
-        keep = store.slot_valid().clone()
-        keep[0, 0, 40:45] = False  # more holes: the bias is built again
-        assert store.evict(keep) is None
 
 
 def test_a_quantized_base_stays_flat_and_gathers_its_codes():
