@@ -1,5 +1,6 @@
-"""``gate_rank``: a trained local gate's raw scores ranked under the budget, per KV head or over
-all layers and heads at once, with the last ``window`` tokens and the gate's sinks forced in."""
+"""``gate_rank``: a trained gate's raw scores (local or attention kind) ranked under the budget,
+per KV head or over all layers and heads at once, with the last ``window`` tokens and the
+gate's sinks forced in."""
 
 from __future__ import annotations
 
@@ -7,7 +8,9 @@ import pytest
 import torch
 from conftest import build, patch_evicting, tiny_llama_config
 
+import kvgate
 from kvgate.cache import CompressedCache
+from kvgate.gate import GateConfig
 from kvgate.inference.decode import left_padded_positions
 from kvgate.policies import Budget, PolicyError, get_policy
 from kvgate.policies.gate_rank import GateRank
@@ -15,9 +18,10 @@ from kvgate.policies.gate_rank import GateRank
 WINDOW, SINKS = 3, 2
 
 
-def _run(allocation: str, ratio: float = 0.4):
+def _run(allocation: str, ratio: float = 0.4, kind: str = "mlp"):
     """Prefill a left-padded batch under gate_rank; every layer's (scores, forced) as the policy
-    saw them and the cache. Samples: 30 and 21 real tokens."""
+    saw them and the cache. Samples: 30 and 21 real tokens. ``kind`` attention: the paper's
+    Attention-Gate (configs/cpt_kvzap_attention.yaml's kind), randomly initialised."""
     seen = []
 
     class Spy(GateRank):
@@ -28,7 +32,10 @@ def _run(allocation: str, ratio: float = 0.4):
             return out
 
     model = build(tiny_llama_config())
-    patch_evicting(model, "mlp", sinks=SINKS)
+    if kind == "attention":
+        kvgate.patch(model, GateConfig(kind="attention", head_dim=8, sinks=SINKS))
+    else:
+        patch_evicting(model, kind, sinks=SINKS)
     gen = torch.Generator().manual_seed(5)
     ids = torch.randint(4, 98, (2, 30), generator=gen)
     mask = torch.ones_like(ids)
@@ -63,9 +70,10 @@ def _real_aligned(x: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
     return out
 
 
-@pytest.mark.parametrize("allocation", ["head", "global"])
-def test_kept_entries_are_the_forced_ones_and_the_highest_scores(allocation):
-    _, cache, seen, valid = _run(allocation)
+@pytest.mark.parametrize("allocation,kind", [("head", "mlp"), ("global", "mlp"),
+                                             ("global", "attention")])
+def test_kept_entries_are_the_forced_ones_and_the_highest_scores(allocation, kind):
+    _, cache, seen, valid = _run(allocation, kind=kind)
     assert len(seen) == len(cache.layers)
     kept = _kept_positions(cache)
     scores = torch.stack([_real_aligned(s, valid) for s, _ in seen])  # [L, B, Hk, 30]
