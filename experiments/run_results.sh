@@ -726,12 +726,20 @@ print(round(next(v for k, v in r.items() if '|local_gate|' in k)['held_end_pct']
            python experiments/summarize_sweep.py $R/ruler/powered$sfx kvzip=$R/ruler/powered_kvzip$sfx \
              cpt_kvzap=$R/ruler/powered_cpt_kvzap$sfx cpt_oracle=$R/ruler/powered_cpt_oracle$sfx \
              cpt_long=$R/ruler/powered_cpt_long$sfx quick=$R/ruler/powered_cpt_kvzap_quick$sfx \
-             quick=$R/ruler/powered_rank$sfx --length $n --budgets 0.75,0.5,0.25,0.125 \
+             quick=$R/ruler/powered_rank$sfx attn=$R/ruler/powered_cpt_kvzap_attention$sfx \
+             --length $n --budgets 0.75,0.5,0.25,0.125 \
              --ref kvzip:kvzip_g --place quick:c75=0.25 --place quick:c875=0.125 \
              --place quick:local_gate=0.5 --place cpt_kvzap:${c}25=0.75 \
              --place cpt_kvzap:local_gate=0.5 --place cpt_kvzap:${c}75=0.25 \
              $(for g in cpt_oracle:attention_gate cpt_long:attention_gate; do
                  echo --place ${g%%:*}:${c}25=0.75 --place $g=0.5 --place ${g%%:*}:${c}75=0.25; done)
+         done
+         # the attention-kind recipe (powered attention) paired with the main job's gate ranked
+         for n in 2048 4096; do
+           sfx=""; [ $n = 4096 ] && sfx=_4k
+           python experiments/summarize_sweep.py $R/ruler/powered$sfx quick=$R/ruler/powered_rank$sfx \
+             attn=$R/ruler/powered_cpt_kvzap_attention$sfx --length $n --budgets 0.25,0.125 \
+             --ref quick:rank_g
          done
          # the training levers' screen (powered levers), paired with quick:rank_g
          for lever in rank25 attention; do
