@@ -735,11 +735,14 @@ print(round(next(v for k, v in r.items() if '|local_gate|' in k)['held_end_pct']
                  echo --place ${g%%:*}:${c}25=0.75 --place $g=0.5 --place ${g%%:*}:${c}75=0.25; done)
          done
          # the attention-kind recipe (powered attention) paired with the main job's gate ranked
+         # and with the full cache
          for n in 2048 4096; do
            sfx=""; [ $n = 4096 ] && sfx=_4k
-           python experiments/summarize_sweep.py $R/ruler/powered$sfx quick=$R/ruler/powered_rank$sfx \
-             attn=$R/ruler/powered_cpt_kvzap_attention$sfx --length $n --budgets 0.25,0.125 \
-             --ref quick:rank_g
+           for ref in quick:rank_g full; do
+             python experiments/summarize_sweep.py $R/ruler/powered$sfx \
+               quick=$R/ruler/powered_rank$sfx attn=$R/ruler/powered_cpt_kvzap_attention$sfx \
+               --length $n --budgets 0.5,0.25,0.125 --ref $ref
+           done
          done
          # the training levers' screen (powered levers), paired with quick:rank_g
          for lever in rank25 attention; do
