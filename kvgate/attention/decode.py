@@ -5,8 +5,9 @@ appended since). Concatenating them every decode step would copy the whole cache
 dense cache does with ``torch.cat``); instead each part is scored on its own, the small
 logit rows are joined for one softmax, and the outputs are summed. GQA is handled by folding
 the query heads of a group into the row axis, so keys are never repeated per query head.
-A part is dense (``KVPart``: ``[B, H_kv, T, d]``) or held in pages per KV head
-(``kvgate.attention.paged.PagedKV``: a ragged base read where it lies).
+A part is dense (``KVPart``: ``[B, H_kv, T, d]``), held in pages per KV head
+(``kvgate.attention.paged.PagedKV``) or flat (``kvgate.attention.rows.RowKV``): a ragged base
+read where it lies.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import torch
 from torch import Tensor
 
 from kvgate.attention.paged import PagedKV, paged_logits, paged_output
+from kvgate.attention.rows import RowKV, row_logits, row_output, slot_logits
 
 
 class KVPart(NamedTuple):
@@ -29,11 +31,20 @@ class KVPart(NamedTuple):
     visible: Tensor | None
 
 
-def _length(part: KVPart | PagedKV) -> int:
-    return part.slots if isinstance(part, PagedKV) else part.keys.shape[2]
+Part = KVPart | PagedKV | RowKV
 
 
-def multipart_attention(query: Tensor, parts: list[KVPart | PagedKV], scaling: float,
+def _length(part: Part) -> int:
+    """The part's slots in the returned logits."""
+    return part.keys.shape[2] if isinstance(part, KVPart) else part.slots
+
+
+def _width(part: Part) -> int:
+    """The part's columns in the joined logits (a flat part's rows, else its slots)."""
+    return part.keys.shape[0] if isinstance(part, RowKV) else _length(part)
+
+
+def multipart_attention(query: Tensor, parts: list[Part], scaling: float,
                         return_logits: bool = False) -> tuple[Tensor, Tensor | None]:
     """Softmax attention of ``query`` [B, H, r, d] over the concatenation of ``parts``.
 
@@ -46,11 +57,14 @@ def multipart_attention(query: Tensor, parts: list[KVPart | PagedKV], scaling: f
     parts = [p for p in parts if _length(p) > 0]
     if not parts:
         raise ValueError("multipart_attention: no keys to attend to")
-    hk = parts[0].kv_heads if isinstance(parts[0], PagedKV) else parts[0].keys.shape[1]
+    hk = parts[0].keys.shape[1] if isinstance(parts[0], KVPart) else parts[0].kv_heads
     g = h // hk
     q = query.reshape(b, hk, g * r, d)
     scores = []
     for part in parts:  # a loop over the (two) parts
+        if isinstance(part, RowKV):  # scaled and masked by its bias
+            scores.append(row_logits(q, part, scaling))
+            continue
         s = (paged_logits(q, part) if isinstance(part, PagedKV)
              else torch.matmul(q, part.keys.transpose(-1, -2)))
         s = (s if s.dtype == torch.float32 else s.float()).mul_(scaling)
@@ -66,13 +80,26 @@ def multipart_attention(query: Tensor, parts: list[KVPart | PagedKV], scaling: f
     out = None
     start = 0
     for part in parts:
-        t = _length(part)
+        t = _width(part)
         p = probs[..., start:start + t]
         p = p if p.dtype == part.values.dtype else p.to(part.values.dtype)
-        o = paged_output(p, part) if isinstance(part, PagedKV) else torch.matmul(p, part.values)
+        if isinstance(part, PagedKV):
+            o = paged_output(p, part)
+        elif isinstance(part, RowKV):
+            o = row_output(p, part)
+        else:
+            o = torch.matmul(p, part.values)
         out = o if out is None else out + o
         start += t
     out = out.view(b, hk, g, r, d).reshape(b, h, r, d).transpose(1, 2)
     if not return_logits:
         return out, None
-    return out, logits.view(b, hk, g, r, -1).reshape(b, h, r, -1)
+    logits = logits.view(b, hk, g, r, -1).reshape(b, h, r, -1)
+    if any(isinstance(p, RowKV) for p in parts):  # flat rows back to the slot view
+        pieces, start = [], 0
+        for part in parts:  # a loop over the (two) parts
+            piece = logits[..., start:start + _width(part)]
+            pieces.append(slot_logits(piece, part) if isinstance(part, RowKV) else piece)
+            start += _width(part)
+        logits = torch.cat(pieces, dim=-1)
+    return out, logits

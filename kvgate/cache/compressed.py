@@ -36,6 +36,7 @@ from torch import Tensor, nn
 
 from kvgate.attention.decode import KVPart, multipart_attention
 from kvgate.attention.paged import PagedKV
+from kvgate.attention.rows import RowKV
 from kvgate.cache.capacity import check_decode_budget, decode_capacity
 from kvgate.cache.errors import CacheError
 from kvgate.cache.evict import decode_round, flush_tail, round_due
@@ -394,7 +395,11 @@ class CompressedCache(HandlerCache):
         if store.paged:  # a ragged base read in its pages, where it lies (never None: ragged)
             keys, values, seg, grid = store.pages()
             base = PagedKV(keys, values, base_vis, seg, grid, tb, store.kv_heads)
-        else:  # a view of a uniform base, or a flat one gathered padded
+        elif store.by_rows and all_valid and not window:
+            # flat rows of few segments, other segments' rows and holes hidden by the store's
+            # bias (a window or padding rows need the per-row slot mask: gathered below)
+            base = RowKV(*store.rows_part(), base_vis, tb, store.kv_heads)
+        else:  # a view of a uniform or padded base, or a flat one gathered padded
             base = KVPart(*store.base_kv(), base_vis)
         out, logits = multipart_attention(query, [base, KVPart(tail_k, tail_v, tail_vis)],
                                           scaling, return_logits=evict)

@@ -15,7 +15,8 @@ What policies and attention see is the *slot view*, padded per segment: slots ``
 the base (``Tb`` = longest segment; slot ``j`` of segment ``s`` is real iff
 ``j < counts[s]``), slots ``Tb..Tb+t-1`` the tail. Only small per-slot tensors (masks,
 positions, scores, logits) are materialised padded. Attention reads a paged base where it lies
-(``pages``); ``base_kv`` gives the padded view: of a uniform base a view, else a transient
+(``pages``); ``base_kv`` gives the padded view: of a uniform base, or one held as its padded
+view (``padded``: heads that keep nearly alike, one page each), a view, else a transient
 gather. The per-slot positions, base validity and page indices are kept per layout
 (bookkeeping: not counted in ``nbytes``), the positions marked by ``evict`` and grown to new
 slots when read, so a decode step gathers them not.
@@ -52,7 +53,15 @@ import copy
 import torch
 from torch import Tensor
 
-from kvgate.cache.pages import first_rows, page_for, page_index, placed, segment_rows
+from kvgate.cache import pages as layouts
+from kvgate.cache.pages import (
+    first_rows,
+    one_page_each,
+    page_for,
+    page_index,
+    placed,
+    segment_rows,
+)
 from kvgate.cache.quant import KVQuant
 from kvgate.cache.rows import PagedRows, PlainRows, QuantRows, make_rows
 
@@ -90,7 +99,8 @@ class RaggedStore:
         # per-layout views of the stored data (bookkeeping, like _index: not in nbytes), built
         # lazily, dropped when the layout changes: "base_valid" [B, H_kv, Tb]; "page_seg",
         # "page_grid" [N_pages] (pages); "base_visible" [B, H_kv, 1, Tb] (dropped too when holes
-        # are marked); "slot_pos" [B, H_kv, T'], marked by evict, grown by slot_positions to T
+        # are marked); "row_bias" [S, 1, R] (flat bases; dropped too when holes are marked);
+        # "slot_pos" [B, H_kv, T'], marked by evict, grown by slot_positions to T
         self._views: dict[str, Tensor] = {}
         self._held: int | None = None  # entries in the base (lazy: counts.sum())
         self._hole_count = 0  # slots marked in holes
@@ -122,7 +132,25 @@ class RaggedStore:
     @property
     def paged(self) -> bool:
         """A ragged base in pages, which attention reads as they are (``pages``)."""
-        return not self._uniform and self.page > 1
+        return not self._uniform and self.page > 1 and not self.padded
+
+    @property
+    def flat(self) -> bool:
+        """A ragged base held flat (page 1, no padding): its rows have no padded view but the
+        gathered one, or attention reads them by rows (``row_bias``)."""
+        return not self._uniform and self.page == 1
+
+    @property
+    def by_rows(self) -> bool:
+        """A ``flat`` base of few segments (``ROW_SEGMENTS``), which attention reads by rows
+        (``rows_part``) rather than gathered into the padded view."""
+        return self.flat and self.batch * self.kv_heads <= layouts.ROW_SEGMENTS
+
+    @property
+    def padded(self) -> bool:
+        """A ragged base held as its padded view, one page per segment (``kvgate.cache.pages``):
+        ``base_kv`` gives a view of it, as of a uniform base."""
+        return one_page_each(self.page, self._base_len, self._uniform)
 
     def kept_counts(self) -> Tensor:
         """Real entries per (sample, KV head), base and tail, holes left out: ``[B, H_kv]``."""
@@ -232,7 +260,7 @@ class RaggedStore:
         lo, hi = torch.aminmax(counts)
         self._base_len, self._uniform = int(hi), bool(lo == hi)
         self.page = page_for(counts, self._base_len, self._uniform, self.kv.quantized)
-        self.rows, self.pos = placed(rows, pos, counts, self.page, self._uniform)
+        self.rows, self.pos = placed(rows, pos, counts, self.page, self._uniform, self._base_len)
         self._index = None
 
     def packed(self) -> tuple[PlainRows | QuantRows, Tensor]:
@@ -332,6 +360,7 @@ class RaggedStore:
             # a hole in the tail makes attention mask the tail too (one read per round)
             self._tail_holes = self._tail_holes or bool(dropped[..., self._base_len:].any())
             self._views.pop("base_visible", None)
+            self._views.pop("row_bias", None)
         return None
 
     def realign(self, x: Tensor, moves: Tensor) -> Tensor:
@@ -417,9 +446,10 @@ class RaggedStore:
         return self.hole_mask()[:, :, None, self._base_len:]
 
     def base_kv(self) -> tuple[Tensor, Tensor]:
-        """Base keys/values as ``[B, H_kv, Tb, d]``: a view when uniform, else a padded gather."""
+        """Base keys/values as ``[B, H_kv, Tb, d]``: a view when uniform or held padded, else a
+        padded gather."""
         shape = (self.batch, self.kv_heads, self._base_len, self.head_dim)
-        idx = None if self._uniform else self._base_index().view(-1)
+        idx = None if self._uniform or self.padded else self._base_index().view(-1)
         if idx is not None and not isinstance(self.rows, PlainRows):  # codes or paged keys
             # gathered by rows (codes then dequantized; page-transposed keys through a view)
             keys, values = self.rows.take(idx).dense()
@@ -441,6 +471,31 @@ class RaggedStore:
                 self.counts, self.page, self._base_len)
         keys, values = self.rows.pages()  # a paged base is always PagedRows (``fill``)
         return keys, values, self._views["page_seg"], self._views["page_grid"]
+
+    def rows_part(self) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """A ``flat`` base as held, for ``kvgate.attention.rows.RowKV``: keys and values
+        ``[R, d]`` (dequantized when quantized), ``row_bias`` and the row of each slot
+        ``[S, Tb]``."""
+        keys, values = self.rows.dense()
+        return keys, values, self.row_bias(), self._base_index()
+
+    def row_bias(self) -> Tensor:
+        """``[S, 1, R]`` fp32 of a ``flat`` base: 0 where segment ``s`` may read row ``r`` (its
+        own, not a hole), -inf elsewhere (``kvgate.attention.rows``); kept per layout and
+        holes, like ``visible_base``."""
+        bias = self._views.get("row_bias")
+        if bias is None:
+            segs = self.batch * self.kv_heads
+            ar = torch.arange(segs, device=self.device)
+            owner = torch.repeat_interleave(ar, self.counts, output_size=len(self.rows))
+            mine = owner[None, :] == ar[:, None]  # [S, R]
+            if self.holes is not None:  # a hole's slot -> its row, read by no one
+                base = self.holes[..., :self._base_len].reshape(segs, -1)
+                seg, slot = base.nonzero(as_tuple=True)
+                mine[seg, self._base_index()[seg, slot]] = False
+            bias = torch.zeros(segs, 1, mine.shape[1], device=self.device)
+            bias = self._views["row_bias"] = bias.masked_fill_(~mine[:, None, :], float("-inf"))
+        return bias
 
     def tail_kv(self) -> tuple[Tensor | None, Tensor | None]:
         return self.tail_k, self.tail_v

@@ -21,6 +21,13 @@ from kvgate.cache.quant import KVQuant
 from kvgate.policies import Budget, get_policy
 
 
+@pytest.fixture(autouse=True)
+def _pages_for_few_segments(monkeypatch):
+    """These bases are one sample of a few KV heads, which the store holds as flat rows
+    (``ROW_SEGMENTS``, tested in test_rows.py): here on pages, as a larger batch holds them."""
+    monkeypatch.setattr(pages_mod, "ROW_SEGMENTS", 0)
+
+
 def _store(counts: list[int], d: int = 8, seed: int = 0) -> tuple[RaggedStore, torch.Tensor]:
     """A store of one sample whose heads keep ``counts`` entries (the first of ``max``)."""
     g = torch.Generator().manual_seed(seed)
@@ -128,6 +135,39 @@ def test_equal_heads_are_one_page_each_and_a_view():
     assert store.base_kv()[0].data_ptr() == store.keys.data_ptr()
 
 
+def test_heads_that_keep_nearly_alike_are_held_as_the_padded_view():
+    """One page per segment, as long as the longest, when that pads within ``VIEW_SHARE``:
+    the rows are the padded view itself (``base_kv`` a view, no gather, one dense product in
+    attention), the padding rows zero at position -1, held and counted; attention over it
+    equals attention over the flat base gathered padded."""
+    counts = [500, 497, 499]
+    store, k = _store(counts, seed=4)
+    assert store.padded and not store.paged and not store.uniform and store.page == 500
+    keys, values = store.base_kv()
+    assert keys.data_ptr() == store.keys.data_ptr() and keys.shape == (1, 3, 500, 8)
+    assert store.nbytes() == 3 * 500 * (2 * 8 * 4 + 4) + 3 * 8  # the padding counted
+    for h, c in enumerate(counts):
+        assert torch.equal(keys[0, h, :c], k[0, h, :c])
+        assert not keys[0, h, c:].any()
+        assert store.slot_positions()[0, h].tolist() == list(range(c)) + [-1] * (500 - c)
+    flat, _ = _store(counts, seed=4)
+    flat.page, flat.rows, flat.pos = 1, *flat.packed()  # the same entries, flat
+    flat._index = None
+    assert not flat.padded and len(flat.rows) == sum(counts)
+    q = torch.randn(1, 6, 2, 8, generator=torch.Generator().manual_seed(5))
+    visible = store.visible_base()
+    out, _ = multipart_attention(q, [KVPart(keys, values, visible)], 0.3)
+    want, _ = multipart_attention(q, [KVPart(*flat.base_kv(), flat.visible_base())], 0.3)
+    torch.testing.assert_close(out, want, atol=1e-6, rtol=1e-5)
+    # past the share: pages again
+    store, _ = _store([500, 400, 499])
+    assert store.paged and not store.padded
+    # an empty segment would hold no page: never one page each (its padding is a whole one)
+    store, k = _store([28, 28, 0, 0])
+    assert not store.padded and store.base_kv()[0].shape == (1, 4, 28, 8)
+    assert torch.equal(store.base_kv()[0][0, 1], k[0, 1, :28])
+
+
 def test_small_or_uneven_bases_stay_flat():
     store, _ = _store([3, 9, 1])
     assert store.page == 1 and not store.paged and store.keys.shape[0] == 13
@@ -200,6 +240,7 @@ def test_decoding_over_pages_equals_decoding_over_the_flat_base(monkeypatch):
                             past_key_values=cache)
         return torch.stack(logits), kept, paged, cache
 
+    monkeypatch.setattr(pages_mod, "VIEW_SHARE", 0.0)
     monkeypatch.setattr(pages_mod, "PAD_SHARE", 1.0)
     monkeypatch.setattr(pages_mod, "PAGES", (8,))
     got, got_kept, paged, cache = run()
@@ -209,6 +250,22 @@ def test_decoding_over_pages_equals_decoding_over_the_flat_base(monkeypatch):
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     assert got_kept == want_kept
     assert cache.bytes_held() >= flat_cache.bytes_held()  # the pages' padding is counted
+    # every ragged layout held as its padded view (one page per segment), whatever it pads
+    monkeypatch.setattr(pages_mod, "VIEW_SHARE", 1.0)
+    view, view_kept, paged, view_cache = run()
+    assert paged == 0
+    assert any(layer.store.padded for layer in view_cache.layers)
+    torch.testing.assert_close(view, want, atol=1e-5, rtol=1e-5)
+    assert view_kept == want_kept
+    assert view_cache.bytes_held() >= flat_cache.bytes_held()
+    # every ragged layout flat and read by rows (kvgate.attention.rows), however many segments
+    monkeypatch.setattr(pages_mod, "VIEW_SHARE", 0.0)
+    monkeypatch.setattr(pages_mod, "ROW_SEGMENTS", 10_000)
+    by_rows, rows_kept, paged, rows_cache = run()
+    assert paged == 0 and any(layer.store.by_rows for layer in rows_cache.layers)
+    torch.testing.assert_close(by_rows, want, atol=1e-5, rtol=1e-5)
+    assert rows_kept == want_kept
+    assert rows_cache.bytes_held() == flat_cache.bytes_held()  # flat: no padding
 
 
 def _held(store: RaggedStore) -> list[tuple[int, int, int]]:
