@@ -54,14 +54,7 @@ import torch
 from torch import Tensor
 
 from kvgate.cache import pages as layouts
-from kvgate.cache.pages import (
-    first_rows,
-    one_page_each,
-    page_for,
-    page_index,
-    placed,
-    segment_rows,
-)
+from kvgate.cache.pages import first_rows, one_page_each, page_for, page_index, placed, segment_rows
 from kvgate.cache.quant import KVQuant
 from kvgate.cache.rows import PagedRows, PlainRows, QuantRows, make_rows
 
