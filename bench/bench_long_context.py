@@ -2,7 +2,8 @@
 
     python bench/bench_long_context.py --lengths 1024,2048,4096 \
         --policies full,snapkv,h2o,tova,streaming,attention_gate --budget 0.5 --repeats 3 \
-        [--checkpoint runs/cpt_recipe/gated] [--profile] [--json out.json]
+        [--checkpoint runs/cpt_recipe/gated] [--policy-opt gate_rank.allocation=global] \
+        [--profile] [--json out.json]
 
 Setting of the field (kvpress, RULER): one ``niah_single_1`` context of exactly ``length`` tokens
 is compressed without its question (``Engine.compress``), then the question is asked over the
@@ -57,6 +58,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--lengths", default="1024,2048,4096")
     ap.add_argument("--policies", default="full,snapkv,h2o,tova,streaming,attention_gate")
     ap.add_argument("--budget", type=float, default=0.5)
+    ap.add_argument("--policy-opt", action="append", default=[], metavar="NAME.KEY=VALUE",
+                    help="an option of one of --policies, as kvgate eval takes it (repeatable)")
     ap.add_argument("--checkpoint", default=None, help="gated export for attention_gate")
     ap.add_argument("--base", default="smollm2-135m")
     ap.add_argument("--task", default="niah_single_1")
@@ -70,6 +73,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     args.policies = [p for p in args.policies.split(",") if p]
     if "full" not in args.policies:
         args.policies.insert(0, "full")  # the reference of every ratio
+    args.options = {p: {} for p in args.policies}
+    for item in args.policy_opt:
+        key, sep, raw = item.partition("=")
+        name, dot, option = key.partition(".")
+        if not (sep and dot and option) or name not in args.options:
+            ap.error(f"--policy-opt {item!r}: expected NAME.KEY=VALUE, NAME one of --policies")
+        try:
+            args.options[name][option] = json.loads(raw)
+        except json.JSONDecodeError:
+            args.options[name][option] = raw
     return args
 
 
@@ -92,9 +105,9 @@ def load_models(args):
     return base, gated, tok, UNTRAINED_NOTE
 
 
-def engine_for(policy: str, base, gated, tok, budget: float):
+def engine_for(policy: str, base, gated, tok, budget: float, options: dict | None = None):
     model = gated if reads_gate(policy) else base
-    return kvgate.Engine(model, tok, policy, budget)
+    return kvgate.Engine(model, tok, kvgate.get_policy(policy, **(options or {})), budget)
 
 
 def run_once(engine, ex, max_new_tokens: int) -> tuple[float, float, float, str]:
@@ -111,7 +124,8 @@ def measure(args, base, gated, tok) -> list[dict]:
     rows = []
     for n in args.lengths:
         ex = generate(args.task, tok, n, seed=0)
-        engines = {p: engine_for(p, base, gated, tok, args.budget) for p in args.policies}
+        engines = {p: engine_for(p, base, gated, tok, args.budget, args.options[p])
+                   for p in args.policies}
         for p in args.policies:  # warm-up, untimed
             run_once(engines[p], ex, 1)
         times = {p: [] for p in args.policies}
