@@ -5,18 +5,23 @@ from a page boundary on, ``page`` rows a page, so only a segment's last page is 
 of zeros, position -1, held and counted like every row): heads that keep very different
 numbers of tokens cost what they keep plus less than a page each, and attention reads each
 head's pages where they lie (``kvgate.attention.paged``) instead of gathering the base into a
-padded view every step. ``page_for`` chooses the page at each layout: one page per segment when
-all hold alike (no padding: the base is a ``[B, H_kv, Tb, d]`` view); one page per segment of
-the longest segment's rows when that pads within ``VIEW_SHARE`` of the entries (heads that keep
-nearly alike: the base is the padded view itself, read by one dense product, as a uniform
-base is: on one CPU thread a decode step's attention over ~1,900 entries a head took 0.74x
-the time of the same entries in pages of 64, whose many small products and per-page
-bookkeeping cost more than the padding they skip); else, for a base of at most ``ROW_SEGMENTS`` segments, 1 (flat, no padding:
-attention scores every segment's query rows against all the rows at once, other segments'
-hidden by a bias, ``kvgate.attention.rows``); else the largest of ``PAGES`` whose padding stays
-within ``PAD_SHARE``, else 1 (flat: small or very uneven bases, gathered into the padded view
-each step). Quantized bases are flat: their codes are dequantized each step anyway. Every
-function here takes the layout it works on.
+padded view every step. ``page_for`` chooses the page at each layout:
+
+- one page per segment when all hold alike (no padding: the base is a ``[B, H_kv, Tb, d]``
+  view);
+- one page per segment of the longest segment's rows when that pads within ``VIEW_SHARE`` of
+  the entries (heads that keep nearly alike): the base is the padded view itself, read by one
+  dense product as a uniform base is (on one CPU thread a decode step's attention over ~1,900
+  entries a head took 0.72-0.74x the time of the same entries in pages of 64, whose many small
+  products and per-page bookkeeping cost more than the padding they skip);
+- for a base of at most ``ROW_SEGMENTS`` segments, 1: flat, no padding, attention scoring every
+  segment's query rows against all the rows at once, other segments' hidden by a bias
+  (``kvgate.attention.rows``);
+- else the largest of ``PAGES`` whose padding stays within ``PAD_SHARE``, else 1 (flat: small or
+  very uneven bases, gathered into the padded view each step).
+
+Quantized bases are flat: their codes are dequantized each step anyway. Every function here
+takes the layout it works on.
 """
 
 from __future__ import annotations
