@@ -41,11 +41,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import kvgate
 from kvgate.eval.benchmarks.ruler.tasks import generate
-from kvgate.policies import policy_class
+from kvgate.eval.config import parse_policies
+from kvgate.eval.errors import EvalError
+from kvgate.policies import Policy, policy_class
 
 
 def reads_gate(policy: str) -> bool:
-    """Whether ``policy`` reads a gated model's gates (``Policy.needs_gate``)."""
+    """Whether the policy named ``policy`` reads a gated model's gates (``Policy.needs_gate``)."""
     return policy_class(policy).needs_gate
 
 
@@ -73,16 +75,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     args.policies = [p for p in args.policies.split(",") if p]
     if "full" not in args.policies:
         args.policies.insert(0, "full")  # the reference of every ratio
-    args.options = {p: {} for p in args.policies}
-    for item in args.policy_opt:
-        key, sep, raw = item.partition("=")
-        name, dot, option = key.partition(".")
-        if not (sep and dot and option) or name not in args.options:
-            ap.error(f"--policy-opt {item!r}: expected NAME.KEY=VALUE, NAME one of --policies")
-        try:
-            args.options[name][option] = json.loads(raw)
-        except json.JSONDecodeError:
-            args.options[name][option] = raw
+    try:  # kvgate eval's own parsing: options checked, one-line errors
+        args.built = parse_policies(args.policies, args.policy_opt)
+    except EvalError as err:
+        ap.error(str(err))
     return args
 
 
@@ -105,9 +101,9 @@ def load_models(args):
     return base, gated, tok, UNTRAINED_NOTE
 
 
-def engine_for(policy: str, base, gated, tok, budget: float, options: dict | None = None):
-    model = gated if reads_gate(policy) else base
-    return kvgate.Engine(model, tok, kvgate.get_policy(policy, **(options or {})), budget)
+def engine_for(policy: Policy, base, gated, tok, budget: float):
+    model = gated if policy.needs_gate else base
+    return kvgate.Engine(model, tok, policy, budget)
 
 
 def run_once(engine, ex, max_new_tokens: int) -> tuple[float, float, float, str]:
@@ -124,7 +120,7 @@ def measure(args, base, gated, tok) -> list[dict]:
     rows = []
     for n in args.lengths:
         ex = generate(args.task, tok, n, seed=0)
-        engines = {p: engine_for(p, base, gated, tok, args.budget, args.options[p])
+        engines = {p: engine_for(args.built[p], base, gated, tok, args.budget)
                    for p in args.policies}
         for p in args.policies:  # warm-up, untimed
             run_once(engines[p], ex, 1)
@@ -225,7 +221,8 @@ def main(argv=None) -> dict:
         print(note)
     print(f"{'length':>6} | {'policy':<15} | {'compress s':>10} | {'answer s':>8} | {'total':>7} | "
           f"{'x full':>6} | {'kept':>5} | hit")
-    result = {"args": {k: v for k, v in vars(args).items()}, "note": note,
+    # the policies as given (names and --policy-opt), not the built objects
+    result = {"args": {k: v for k, v in vars(args).items() if k != "built"}, "note": note,
               "rows": measure(args, base, gated, tok)}
     if args.profile and gated is not None:
         result["profile"] = profile_gated_prefill(args, gated, tok)

@@ -186,18 +186,20 @@ def test_bench_decode_refuses_a_ratio_without_its_dense_baseline():
 
 
 def test_bench_long_context_takes_policy_options_per_policy(capsys):
-    """``--policy-opt NAME.KEY=VALUE`` as ``kvgate eval`` takes it: each option goes to its
-    policy's engine (values read as JSON, else kept as text); one naming no policy of the run,
-    or without NAME, is refused before anything loads."""
+    """``--policy-opt NAME.KEY=VALUE`` parsed by ``kvgate eval``'s own ``parse_policies``: each
+    option goes to its policy (values read as JSON, else kept as text); one naming no policy
+    of the run, without NAME, or that the policy refuses, is one line before anything loads."""
     from conftest import load_script
 
     bench = load_script("bench/bench_long_context.py")
     args = bench.parse_args(["--policies", "snapkv,gate_rank", "--policy-opt",
                              "gate_rank.allocation=global", "--policy-opt", "snapkv.window=16"])
     assert args.policies == ["full", "snapkv", "gate_rank"]
-    assert args.options == {"full": {}, "snapkv": {"window": 16},
-                            "gate_rank": {"allocation": "global"}}
-    for bad in ("tova.window=16", "window=16", "gate_rank.=1"):
+    assert list(args.built) == args.policies
+    assert args.built["gate_rank"].allocation == "global" and args.built["snapkv"].window == 16
+    for bad, says in (("tova.window=16", "'tova' is not in --policies"),
+                      ("window=16", "NAME.KEY=VALUE"), ("gate_rank.=1", "NAME.KEY=VALUE"),
+                      ("gate_rank.allocation=nowhere", "--policy-opt")):
         with pytest.raises(SystemExit):
             bench.parse_args(["--policies", "gate_rank", "--policy-opt", bad])
-        assert "NAME.KEY=VALUE" in capsys.readouterr().err
+        assert says in capsys.readouterr().err
