@@ -131,3 +131,18 @@ def build_causal_lm(config) -> torch.nn.Module:
             elif p.dim() == 1 and "norm" in name:
                 p.uniform_(0.5, 1.5)
     return model
+
+
+def ragged_store(counts: list[int], batch: int = 1, d: int = 8, seed: int = 0):
+    """A ``RaggedStore`` of ``batch`` samples whose KV heads keep ``counts`` entries (the first
+    of ``max(counts)`` random ones), and those keys ``[B, H_kv, max, d]``."""
+    from kvgate.cache import RaggedStore
+
+    g = torch.Generator().manual_seed(seed)
+    hk, n = len(counts), max(counts)
+    k, v = torch.randn(batch, hk, n, d, generator=g), torch.randn(batch, hk, n, d, generator=g)
+    store = RaggedStore(batch, hk, d, torch.float32, torch.device("cpu"))
+    store.append(k, v, torch.arange(n)[None].expand(batch, -1))
+    keep = torch.arange(n) < torch.tensor(counts)[:, None]
+    store.rebuild(keep[None].expand(batch, -1, -1))
+    return store, k

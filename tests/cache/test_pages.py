@@ -9,7 +9,7 @@ import math
 
 import pytest
 import torch
-from conftest import build, patch_evicting, tiny_llama_config
+from conftest import build, patch_evicting, ragged_store, tiny_llama_config
 
 from kvgate.attention.decode import KVPart, multipart_attention
 from kvgate.attention.paged import PagedKV
@@ -30,14 +30,7 @@ def _pages_for_few_segments(monkeypatch):
 
 def _store(counts: list[int], d: int = 8, seed: int = 0) -> tuple[RaggedStore, torch.Tensor]:
     """A store of one sample whose heads keep ``counts`` entries (the first of ``max``)."""
-    g = torch.Generator().manual_seed(seed)
-    hk, n = len(counts), max(counts)
-    k, v = torch.randn(1, hk, n, d, generator=g), torch.randn(1, hk, n, d, generator=g)
-    store = RaggedStore(1, hk, d, torch.float32, torch.device("cpu"))
-    store.append(k, v, torch.arange(n)[None])
-    keep = torch.arange(n) < torch.tensor(counts)[:, None]
-    store.rebuild(keep[None])
-    return store, k
+    return ragged_store(counts, d=d, seed=seed)
 
 
 def test_segments_start_on_pages_and_the_padding_is_held_and_counted():

@@ -9,6 +9,7 @@ import math
 
 import pytest
 import torch
+from conftest import ragged_store
 
 from kvgate.attention.decode import KVPart, multipart_attention
 from kvgate.attention.rows import RowKV
@@ -17,14 +18,7 @@ from kvgate.cache import pages as pages_mod
 
 
 def _store(counts: list[int], batch: int = 1, d: int = 8, seed: int = 0) -> RaggedStore:
-    g = torch.Generator().manual_seed(seed)
-    hk, n = len(counts), max(counts)
-    k, v = torch.randn(batch, hk, n, d, generator=g), torch.randn(batch, hk, n, d, generator=g)
-    store = RaggedStore(batch, hk, d, torch.float32, torch.device("cpu"))
-    store.append(k, v, torch.arange(n)[None].expand(batch, -1))
-    keep = torch.arange(n) < torch.tensor(counts)[:, None]
-    store.rebuild(keep[None].expand(batch, -1, -1))
-    return store
+    return ragged_store(counts, batch, d, seed)[0]
 
 
 def _parts(store: RaggedStore, visible: torch.Tensor) -> tuple[RowKV, KVPart]:
